@@ -1,0 +1,44 @@
+# The two commands: `make demo` and `make test`. Both set up everything they need on a fresh
+# Debian machine (as root): a virtualenv, a Docker engine, the offline-built tool image.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest engine image bench clean
+
+demo: $(STAMP) image
+	$(PY) -m sandboxd.demo
+
+test: $(STAMP) image lint typecheck pytest
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU build on disk, never the multi-GB CUDA one an unpinned pull takes.
+	$(PY) -m pip install --quiet 'torch==2.13.0'
+	$(PY) -m pip install --quiet -e '.[test,local,sglang]'
+	touch $(STAMP)
+
+engine:
+	bash docker/ensure-engine.sh
+
+image: engine
+	bash docker/build-image.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check sandboxd agent snapshots tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP) image
+	$(PY) -m pytest -q -ra
+
+bench: $(STAMP) image
+	$(PY) benchmarks/bench_calls.py
+	$(PY) benchmarks/bench_snapshots.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

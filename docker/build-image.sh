@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds the tool image offline: bootstrap a minimal Debian root filesystem from the host's own apt
+# sources (mmdebstrap with no mirror argument), import it as the base image, then build the tool
+# image FROM it. Does nothing when the image already exists (FORCE=1 rebuilds).
+set -euo pipefail
+IMAGE=${IMAGE:-sandboxd-tool:bookworm}
+BASE=${BASE:-sandboxd-base:bookworm}
+SUITE=${SUITE:-bookworm}
+here=$(cd "$(dirname "$0")" && pwd)
+
+if [[ -z ${FORCE:-} ]] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
+  echo "image $IMAGE present"
+  exit 0
+fi
+if ! docker image inspect "$BASE" >/dev/null 2>&1 || [[ -n ${FORCE:-} ]]; then
+  if ! command -v mmdebstrap >/dev/null; then
+    echo "installing mmdebstrap"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >/dev/null
+  fi
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  echo "bootstrapping a $SUITE root filesystem (python3) from the host's apt sources"
+  mmdebstrap --quiet --variant=apt --include=python3 "$SUITE" "$tmp/rootfs.tar"
+  docker import "$tmp/rootfs.tar" "$BASE" >/dev/null
+fi
+echo "building $IMAGE FROM $BASE"
+docker build --quiet --build-arg BASE="$BASE" -t "$IMAGE" "$here" >/dev/null
+echo "image $IMAGE built"

@@ -1,0 +1,168 @@
+"""`sandboxd`: the daemon and its operator commands. Every client command takes --endpoint and --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from sandboxd.client import Client
+from sandboxd.config import load_config
+from sandboxd.errors import SandboxdError
+
+
+def _print(args: argparse.Namespace, value: Any, text: Callable[[Any], str]) -> None:
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(value), indent=2, sort_keys=True))
+    else:
+        print(text(value))
+
+
+def _table(rows: list[list[str]]) -> str:
+    if not rows:
+        return "(none)"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from sandboxd.daemon import run
+
+    config = load_config(args.config, state_dir=args.state_dir, endpoint=args.endpoint, image=args.image,
+                         snapshot_backend=args.snapshot_backend)
+    run(config, verbose=args.verbose)
+
+
+def cmd_health(args: argparse.Namespace, client: Client) -> None:
+    _print(args, client.health(), lambda h: f"sandboxd {h.version}: {h.open_sessions} open sessions, "
+           f"up {h.uptime_s:.0f}s")
+
+
+def cmd_tools(args: argparse.Namespace, client: Client) -> None:
+    tools = client.tools(args.session)
+    _print(args, tools, lambda ts: _table([["NAME", "EFFECT", "DESCRIPTION"]]
+                                          + [[t.name, t.effect, t.description] for t in ts]))
+
+
+def cmd_session(args: argparse.Namespace, client: Client) -> None:
+    if args.action == "open":
+        info = client.open_session(args.image)
+        _print(args, info, lambda s: s.session_id)
+    elif args.action == "close":
+        if not args.id:
+            raise SystemExit("sandboxd session close: a session id is required")
+        client.close_session(args.id)
+        _print(args, {"session_id": args.id, "state": "closed"}, lambda d: f"closed {d['session_id']}")
+    else:
+        sessions = client.sessions(include_closed=args.all)
+        _print(args, sessions, lambda ss: _table([["SESSION", "STATE", "IMAGE"]]
+                                                 + [[s.session_id, s.state, s.image] for s in ss]))
+
+
+def cmd_call(args: argparse.Namespace, client: Client) -> None:
+    try:
+        call_args = json.loads(args.args)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"sandboxd call: --args is not valid JSON: {exc}") from exc
+    if not isinstance(call_args, dict):
+        raise SystemExit("sandboxd call: --args must be a JSON object")
+    result = client.call(args.session, args.tool, call_args, call_id=args.call_id, timeout_s=args.call_timeout)
+    if args.json:
+        _print(args, result, str)
+        return
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    if result.exit_code:
+        raise SystemExit(result.exit_code if 0 < result.exit_code < 256 else 1)
+
+
+def cmd_snapshot(args: argparse.Namespace, client: Client) -> None:
+    _print(args, client.snapshot(args.session, args.label),
+           lambda s: f"{s.snapshot_id} ({s.elapsed_ms:.1f} ms)")
+
+
+def cmd_restore(args: argparse.Namespace, client: Client) -> None:
+    _print(args, client.restore(args.session, args.snapshot),
+           lambda r: f"restored {r.snapshot_id} ({r.elapsed_ms:.1f} ms)")
+
+
+def cmd_snapshots(args: argparse.Namespace, client: Client) -> None:
+    if args.delete:
+        client.delete_snapshot(args.session, args.delete)
+        _print(args, {"deleted": args.delete}, lambda d: f"deleted {d['deleted']}")
+        return
+    _print(args, client.snapshots(args.session), lambda ss: _table(
+        [["SNAPSHOT", "LABEL", "LAYERS"]] + [[s.snapshot_id, s.label or "", str(s.layers)] for s in ss]))
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="sandboxd", description="Tool-execution firewall for LLM agents.")
+    sub = top.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--endpoint", help="daemon endpoint (default: ipc socket in the state directory)")
+    common.add_argument("--json", action="store_true", help="print JSON")
+    common.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the daemon's reply")
+
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", type=Path, help="TOML configuration file")
+    serve.add_argument("--state-dir")
+    serve.add_argument("--endpoint")
+    serve.add_argument("--image")
+    serve.add_argument("--snapshot-backend", choices=["overlay", "copy"])
+    serve.add_argument("-v", "--verbose", action="store_true")
+    serve.set_defaults(func=cmd_serve, client=False)
+
+    def add(name: str, func: Callable[..., None], help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, parents=[common], help=help_text)
+        cmd.set_defaults(func=func, client=True)
+        return cmd
+
+    add("health", cmd_health, "daemon status")
+    add("tools", cmd_tools, "tool manifests").add_argument("session", nargs="?")
+    session = add("session", cmd_session, "open, close or list sessions")
+    session.add_argument("action", choices=["open", "close", "list"])
+    session.add_argument("id", nargs="?")
+    session.add_argument("--image")
+    session.add_argument("--all", action="store_true", help="list closed sessions too")
+    call = add("call", cmd_call, "run a tool in a session")
+    call.add_argument("session")
+    call.add_argument("tool")
+    call.add_argument("--args", default="{}", help="arguments as a JSON object")
+    call.add_argument("--call-id")
+    call.add_argument("--call-timeout", type=float, help="seconds before the tool is killed")
+    snap = add("snapshot", cmd_snapshot, "snapshot a session's workspace")
+    snap.add_argument("session")
+    snap.add_argument("--label")
+    restore = add("restore", cmd_restore, "restore a snapshot")
+    restore.add_argument("session")
+    restore.add_argument("snapshot")
+    snaps = add("snapshots", cmd_snapshots, "list (or --delete) a session's snapshots")
+    snaps.add_argument("session")
+    snaps.add_argument("--delete", metavar="SNAPSHOT")
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if not args.client:
+        args.func(args)
+        return
+    try:
+        with Client(args.endpoint, timeout_s=args.wait) as client:
+            args.func(args, client)
+    except SandboxdError as exc:
+        if args.json:
+            print(json.dumps({"error": exc.code.value, "message": exc.message,
+                              "details": msgspec.to_builtins(exc.details)}, indent=2, sort_keys=True))
+        else:
+            print(f"sandboxd: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+if __name__ == "__main__":
+    main()

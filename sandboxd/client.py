@@ -1,0 +1,127 @@
+"""The Python client: the daemon's operations for programs, over a ZeroMQ DEALER socket."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, TypeVar
+
+import zmq
+
+from sandboxd import protocol as p
+from sandboxd.config import default_endpoint, default_state_dir
+from sandboxd.errors import ErrorCode, SandboxdError
+
+R = TypeVar("R")
+
+
+class RemoteError(SandboxdError):
+    """An error reply from the daemon; `code` is the wire code."""
+
+    def __init__(self, code: str, message: str, details: dict[str, Any]) -> None:
+        super().__init__(message, **details)
+        try:
+            self.code = ErrorCode(code)
+        except ValueError:
+            self.code = ErrorCode.INTERNAL
+        self.wire_code = code
+
+
+class DaemonUnreachable(SandboxdError):
+    code = ErrorCode.SANDBOX_UNAVAILABLE
+
+
+class Client:
+    """A connection to one daemon. Not thread-safe: use one client per thread."""
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 120.0) -> None:
+        self.endpoint = endpoint or default_endpoint(default_state_dir())
+        self.timeout_ms = int(timeout_s * 1000)
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def send_raw(self, frame: bytes, timeout_ms: int | None = None) -> p.Response:
+        """Send one raw frame and return the next reply (for tests of malformed input)."""
+        sock = self._socket()
+        sock.send(frame)
+        if not sock.poll(timeout_ms if timeout_ms is not None else self.timeout_ms):
+            # The reply may still come; a fresh socket keeps a late answer from matching the next request.
+            self.close()
+            raise DaemonUnreachable(f"no reply from {self.endpoint} within {self.timeout_ms / 1000:g}s")
+        return p.decode_response(sock.recv(), max_frame=1 << 31)
+
+    def request(self, req: Any, expect: type[R]) -> R:
+        """Send a request; return its typed reply or raise RemoteError for an error reply."""
+        reply = self.send_raw(p.encode(req))
+        if reply.request_id != req.request_id:
+            self.close()
+            raise DaemonUnreachable(f"reply for {reply.request_id!r} while waiting for {req.request_id!r}")
+        if isinstance(reply, p.ErrorResponse):
+            raise RemoteError(reply.code, reply.message, reply.details)
+        if not isinstance(reply, expect):
+            raise DaemonUnreachable(f"expected {expect.__name__}, got {type(reply).__name__}")
+        return reply
+
+    @staticmethod
+    def _rid() -> str:
+        return uuid.uuid4().hex
+
+    # Operations --------------------------------------------------------------------------------
+
+    def health(self) -> p.HealthResponse:
+        return self.request(p.HealthRequest(request_id=self._rid()), p.HealthResponse)
+
+    def open_session(self, image: str | None = None) -> p.SessionInfo:
+        reply = self.request(p.OpenSessionRequest(request_id=self._rid(), image=image), p.OpenSessionResponse)
+        return reply.session
+
+    def close_session(self, session_id: str) -> None:
+        self.request(p.CloseSessionRequest(request_id=self._rid(), session_id=session_id), p.CloseSessionResponse)
+
+    def sessions(self, include_closed: bool = False) -> list[p.SessionInfo]:
+        req = p.ListSessionsRequest(request_id=self._rid(), include_closed=include_closed)
+        return self.request(req, p.ListSessionsResponse).sessions
+
+    def tools(self, session_id: str | None = None) -> list[p.ToolManifest]:
+        req = p.ListToolsRequest(request_id=self._rid(), session_id=session_id)
+        return self.request(req, p.ListToolsResponse).tools
+
+    def call(self, session_id: str, tool: str, args: dict[str, Any], call_id: str | None = None,
+             timeout_s: float | None = None, clock: float | None = None) -> p.CallResult:
+        req = p.CallRequest(request_id=self._rid(), session_id=session_id, tool=tool, args=args,
+                            call_id=call_id, timeout_s=timeout_s, clock=clock)
+        return self.request(req, p.CallResponse).result
+
+    def snapshot(self, session_id: str, label: str | None = None) -> p.SnapshotInfo:
+        req = p.SnapshotRequest(request_id=self._rid(), session_id=session_id, label=label)
+        return self.request(req, p.SnapshotResponse).snapshot
+
+    def restore(self, session_id: str, snapshot_id: str) -> p.RestoreResponse:
+        req = p.RestoreRequest(request_id=self._rid(), session_id=session_id, snapshot_id=snapshot_id)
+        return self.request(req, p.RestoreResponse)
+
+    def snapshots(self, session_id: str) -> list[p.SnapshotInfo]:
+        req = p.ListSnapshotsRequest(request_id=self._rid(), session_id=session_id)
+        return self.request(req, p.ListSnapshotsResponse).snapshots
+
+    def delete_snapshot(self, session_id: str, snapshot_id: str) -> None:
+        req = p.DeleteSnapshotRequest(request_id=self._rid(), session_id=session_id, snapshot_id=snapshot_id)
+        self.request(req, p.DeleteSnapshotResponse)

@@ -1,0 +1,66 @@
+"""Assembles a daemon from its configuration: state, snapshot store, containers, service, server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+from sandboxd.config import DaemonConfig
+from sandboxd.sandbox.containers import ContainerManager
+from sandboxd.server import Server
+from sandboxd.service import SandboxService
+from sandboxd.state import StateStore
+from snapshots import open_store
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, so operators can filter logs by session or call id."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {"ts": round(time.time(), 3), "level": record.levelname.lower(),
+                                 "msg": record.getMessage()}
+        for key in ("session_id", "call_id", "request_id"):
+            if hasattr(record, key):
+                entry[key] = getattr(record, key)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(config: DaemonConfig, verbose: bool = False) -> None:
+    handler_file = logging.FileHandler(config.state_path / "sandboxd.log")
+    handler_err = logging.StreamHandler(sys.stderr)
+    for handler in (handler_file, handler_err):
+        handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("sandboxd")
+    root.handlers[:] = [handler_file, handler_err]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def build(config: DaemonConfig) -> tuple[SandboxService, Server]:
+    """Open the state, recover from any crash, and return a ready service and server."""
+    config.state_path.mkdir(parents=True, exist_ok=True)
+    config.state_path.chmod(0o700)
+    state = StateStore(config.state_path / "state.db")
+    store = open_store(config.snapshot_backend, config.state_path / "snapshots", config.max_layers)
+    containers = ContainerManager(config)
+    service = SandboxService(config, state, store, containers)
+    service.recover()
+    return service, Server(config, service)
+
+
+def run(config: DaemonConfig, verbose: bool = False) -> None:
+    """`sandboxd serve`: run until SIGTERM or SIGINT."""
+    config.state_path.mkdir(parents=True, exist_ok=True)
+    setup_logging(config, verbose)
+    service, server = build(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    try:
+        server.serve_forever()
+    finally:
+        service.state.close()

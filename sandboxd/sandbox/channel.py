@@ -1,0 +1,86 @@
+"""The daemon's end of the executor socket: one persistent connection per session."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from sandboxd.errors import SandboxUnavailable
+
+MAX_REPLY = 64 * 1024 * 1024
+
+
+class ExecutorChannel:
+    """Length-prefixed JSON requests to the executor listening on a unix socket."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the executor answers a ping, or raise SandboxUnavailable."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self.request({"op": "ping"}, timeout=1.0)
+                return
+            except SandboxUnavailable as exc:
+                last = exc
+                time.sleep(0.02)
+        raise SandboxUnavailable(f"executor did not come up within {timeout:g}s: {last}")
+
+    def request(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send one request and wait up to `timeout` seconds for its reply."""
+        with self._lock:
+            try:
+                sock = self._connect()
+                sock.settimeout(timeout)
+                data = json.dumps(payload).encode()
+                sock.sendall(struct.pack(">I", len(data)) + data)
+                return self._read_reply(sock)
+            except (OSError, ValueError) as exc:
+                self._close()
+                raise SandboxUnavailable(f"executor channel failed: {exc}", socket=str(self.socket_path)) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(2.0)
+            sock.connect(str(self.socket_path))
+            self._sock = sock
+        return self._sock
+
+    def _read_reply(self, sock: socket.socket) -> dict[str, Any]:
+        (size,) = struct.unpack(">I", _recv_exact(sock, 4))
+        if size > MAX_REPLY:
+            raise ValueError(f"executor reply of {size} bytes is too large")
+        reply = json.loads(_recv_exact(sock, size))
+        if not isinstance(reply, dict):
+            raise ValueError("executor reply is not an object")
+        return reply
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(size - len(buf))
+        if not chunk:
+            raise ConnectionError("executor closed the connection")
+        buf.extend(chunk)
+    return bytes(buf)

@@ -1,0 +1,297 @@
+"""The in-container executor: serves tool calls over a unix socket, one at a time.
+
+Runs inside each sandbox as the sandbox user, started once per container, so a call costs a socket
+round trip and a fork instead of a `docker exec`. Standard library only: the tool image carries
+nothing but Debian's python3. Frames are a 4-byte big-endian length followed by a JSON object.
+
+The daemon is the only client; it serialises calls per session, so the executor never runs two
+calls at once and can reap every stray process between calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+WORKSPACE = "/workspace"
+MAX_REQUEST = 64 * 1024 * 1024
+
+
+class ToolFailure(Exception):
+    """A failure reported back to the daemon as {"error": code, "message": ...}."""
+
+    def __init__(self, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = details
+
+
+def workspace_root() -> str:
+    return os.path.realpath(WORKSPACE)
+
+
+def confine(path: str) -> str:
+    """Resolve a tool path to a real path inside the workspace, following symlinks."""
+    root = workspace_root()
+    if "\x00" in path:
+        raise ToolFailure("path_escape", "path contains a NUL byte", path=path, reason="nul byte")
+    candidate = path if os.path.isabs(path) else os.path.join(WORKSPACE, path)
+    real = os.path.realpath(candidate)
+    if real != root and not real.startswith(root + os.sep):
+        reason = "a symlink points outside" if os.path.normpath(candidate).startswith(WORKSPACE) else "escapes"
+        raise ToolFailure("path_escape", f"path {path!r} resolves outside /workspace", path=path, reason=reason)
+    return real
+
+
+def oom_kills() -> int:
+    """The cgroup's OOM-kill counter (v2 or v1), or -1 where the kernel does not expose one."""
+    for name in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            with open(name) as fh:
+                for line in fh:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except OSError:
+            continue
+    return -1
+
+
+def _child_setup() -> None:
+    # The tool, not the executor, must be the OOM killer's victim; raising one's own score is
+    # allowed without privileges.
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("1000")
+    except OSError:
+        pass
+
+
+def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float) -> tuple[bytes, bytes, bool, bool]:
+    """Drain stdout/stderr up to `cap` bytes each until exit or deadline; True flags mean truncated."""
+    bufs = {"out": bytearray(), "err": bytearray()}
+    cut = {"out": False, "err": False}
+    sel = selectors.DefaultSelector()
+    assert proc.stdout is not None and proc.stderr is not None
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    exited = False
+    while sel.get_map() and (remaining := deadline - time.monotonic()) > 0:
+        # Poll for exit too: a backgrounded grandchild may hold the pipes open after the tool ends.
+        for key, _ in sel.select(timeout=min(remaining, 0.05)):
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                sel.unregister(key.fileobj)
+                continue
+            buf = bufs[key.data]
+            room = cap - len(buf)
+            if room > 0:
+                buf.extend(chunk[:room])
+            if len(chunk) > max(room, 0):
+                cut[key.data] = True
+        if not exited and proc.poll() is not None:
+            exited = True
+            deadline = min(deadline, time.monotonic() + 0.1)
+    if not sel.get_map() and not exited:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            pass
+    sel.close()
+    return bytes(bufs["out"]), bytes(bufs["err"]), cut["out"], cut["err"]
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_process(req: dict[str, Any]) -> dict[str, Any]:
+    """Run argv in the workspace with stdin, a timeout and capped output."""
+    timeout = float(req["timeout"])
+    cap = int(req["output_bytes"])
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.update(req.get("env") or {})
+    cwd = confine(req.get("cwd") or ".")
+    oom_before = oom_kills()
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        req["argv"],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_child_setup,
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write((req.get("stdin") or "").encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    out, err, out_cut, err_cut = _read_capped(proc, cap, started + timeout)
+    timed_out = proc.poll() is None
+    # Kill the whole group either way: a call leaves no process behind, not even a backgrounded one.
+    _kill_group(proc)
+    code = proc.wait()
+    oom_after = oom_kills()
+    return {
+        "exit_code": code,
+        "stdout": out.decode("utf-8", "replace"),
+        "stderr": err.decode("utf-8", "replace"),
+        "stdout_truncated": out_cut,
+        "stderr_truncated": err_cut,
+        "timed_out": timed_out,
+        "oom_killed": code == -signal.SIGKILL and oom_after > oom_before >= 0,
+        "duration_ms": (time.monotonic() - started) * 1000,
+    }
+
+
+def read_file(req: dict[str, Any]) -> dict[str, Any]:
+    """Return a file's text (decoded as UTF-8 with replacement), capped."""
+    path = confine(req["path"])
+    cap = int(req["max_bytes"])
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(cap + 1)
+    except FileNotFoundError:
+        raise ToolFailure("not_found", f"no such file: {req['path']}", path=req["path"]) from None
+    except IsADirectoryError:
+        raise ToolFailure("invalid_arguments", f"{req['path']} is a directory", path=req["path"]) from None
+    return {"exit_code": 0, "stdout": data[:cap].decode("utf-8", "replace"), "stderr": "",
+            "stdout_truncated": len(data) > cap}
+
+
+def write_file(req: dict[str, Any]) -> dict[str, Any]:
+    """Write (or append) text to a file, creating parent directories inside the workspace."""
+    path = confine(req["path"])
+    if os.path.isdir(path):
+        raise ToolFailure("invalid_arguments", f"{req['path']} is a directory", path=req["path"])
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    confine(parent)
+    data = req["content"].encode()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if req.get("append") else os.O_TRUNC)
+    fd = os.open(path, flags, int(req.get("mode") or 0o644))
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+    except OSError as exc:
+        raise ToolFailure("resource_limit", f"write failed: {exc.strerror}", path=req["path"]) from exc
+    return {"exit_code": 0, "stdout": f"wrote {len(data)} bytes to {req['path']}", "stderr": ""}
+
+
+def list_dir(req: dict[str, Any]) -> dict[str, Any]:
+    """List a directory as JSON lines of name, type, size and mode, sorted by name."""
+    path = confine(req.get("path") or ".")
+    if not os.path.isdir(path):
+        raise ToolFailure("not_found", f"no such directory: {req.get('path')}", path=req.get("path"))
+    root = workspace_root()
+    rows = []
+    walker = os.walk(path) if req.get("recursive") else [(path, None, None)]
+    for base, _, _ in walker:
+        for name in sorted(os.listdir(base)):
+            full = os.path.join(base, name)
+            st = os.lstat(full)
+            kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+            rows.append({"path": os.path.relpath(full, root), "type": kind, "size": st.st_size,
+                         "mode": oct(stat.S_IMODE(st.st_mode))})
+    rows.sort(key=lambda r: r["path"])
+    text = "\n".join(json.dumps(r, sort_keys=True) for r in rows)
+    return {"exit_code": 0, "stdout": text, "stderr": ""}
+
+
+def reap(_: dict[str, Any]) -> dict[str, Any]:
+    """Kill every process of the sandbox user but this one, so nothing writes during a snapshot."""
+    try:
+        # kill(-1) reaches every process we may signal except ourselves and init.
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return {"ok": True}
+
+
+OPS = {"run": run_process, "read_file": read_file, "write_file": write_file, "list_dir": list_dir,
+       "reap": reap, "ping": lambda _: {"ok": True, "pid": os.getpid(), "uid": os.getuid()}}
+
+
+def recv_frame(conn: socket.socket) -> bytes | None:
+    head = _recv_exact(conn, 4)
+    if head is None:
+        return None
+    (size,) = struct.unpack(">I", head)
+    if size > MAX_REQUEST:
+        raise ValueError(f"request of {size} bytes is too large")
+    return _recv_exact(conn, size)
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = conn.recv(size - len(buf))
+        if not chunk:
+            return None
+        buf.extend(chunk)
+    return bytes(buf)
+
+
+def send_frame(conn: socket.socket, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload).encode()
+    conn.sendall(struct.pack(">I", len(data)) + data)
+
+
+def handle(frame: bytes) -> dict[str, Any]:
+    """One request -> one reply; a tool failure becomes an error reply, never an exit."""
+    try:
+        req = json.loads(frame)
+        op = OPS.get(req.get("op"))
+        if op is None:
+            return {"error": "invalid_arguments", "message": f"unknown op {req.get('op')!r}"}
+        return op(req)
+    except ToolFailure as exc:
+        return {"error": exc.code, "message": str(exc), "details": exc.details}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return {"error": "tool_error", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def serve(socket_path: str) -> None:
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    os.chmod(socket_path, 0o600)
+    server.listen(4)
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            try:
+                while (frame := recv_frame(conn)) is not None:
+                    send_frame(conn, handle(frame))
+            except (OSError, ValueError) as exc:
+                print(f"executor: connection dropped: {exc}", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--socket", required=True)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    serve(args.socket)
+
+
+if __name__ == "__main__":
+    main()

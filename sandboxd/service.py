@@ -1,0 +1,353 @@
+"""Request handlers: sessions, tool calls and snapshots, on top of containers, the store and SQLite.
+
+`SandboxService.handle` is the one error boundary: whatever a handler raises becomes an
+`ErrorResponse` with an enumerated code. Requests of one session are serialised by a per-session
+lock; different sessions run in parallel on the server's worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from sandboxd import __version__
+from sandboxd import protocol as p
+from sandboxd.config import DaemonConfig
+from sandboxd.errors import (
+    CallIdConflict,
+    CallInterrupted,
+    ExternalUnavailable,
+    InvalidArguments,
+    NotFound,
+    PathEscape,
+    RecordedError,
+    ResourceLimit,
+    SandboxdError,
+    SandboxUnavailable,
+    SessionClosed,
+    SnapshotFailed,
+    SnapshotNotFound,
+    ToolError,
+    ToolTimeout,
+    UnknownSession,
+    to_wire,
+)
+from sandboxd.sandbox.containers import ContainerManager
+from sandboxd.state import StateStore, canonical_args
+from sandboxd.tools.builtin import BUILTIN_TOOLS, executor_request
+from sandboxd.tools.registry import ToolRegistry
+from snapshots import SnapshotError, SnapshotStore, UnknownSnapshot
+
+log = logging.getLogger("sandboxd")
+
+_EXECUTOR_ERRORS: dict[str, Callable[[str, dict[str, Any]], SandboxdError]] = {
+    "path_escape": lambda msg, d: PathEscape(str(d.get("path", "")), str(d.get("reason", msg))),
+    "not_found": lambda msg, d: NotFound(msg, **d),
+    "invalid_arguments": lambda msg, d: InvalidArguments(str(d.get("tool", "")), msg),
+    "resource_limit": lambda msg, d: ResourceLimit(str(d.get("call_id", "")), "disk", msg, **d),
+}
+
+
+class SandboxService:
+    """All request handlers of the daemon, dispatched by request type."""
+
+    def __init__(self, config: DaemonConfig, state: StateStore, store: SnapshotStore,
+                 containers: ContainerManager) -> None:
+        self.config = config
+        self.state = state
+        self.store = store
+        self.containers = containers
+        self.tools = ToolRegistry(BUILTIN_TOOLS)
+        self.started = time.monotonic()
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self.handlers: dict[type[Any], Callable[[Any], p.Response]] = {
+            p.HealthRequest: self.health,
+            p.OpenSessionRequest: self.open_session,
+            p.CloseSessionRequest: self.close_session,
+            p.ListSessionsRequest: self.list_sessions,
+            p.ListToolsRequest: self.list_tools,
+            p.CallRequest: self.call,
+            p.SnapshotRequest: self.snapshot,
+            p.RestoreRequest: self.restore,
+            p.ListSnapshotsRequest: self.list_snapshots,
+            p.DeleteSnapshotRequest: self.delete_snapshot,
+        }
+
+    #: requests cheap enough to answer on the socket thread
+    INLINE = (p.HealthRequest, p.ListToolsRequest, p.ListSessionsRequest, p.ListSnapshotsRequest)
+
+    def handle(self, request: p.Request) -> p.Response:
+        """Run the handler for this request type; every failure becomes an ErrorResponse."""
+        try:
+            return self.handlers[type(request)](request)
+        except SandboxdError as exc:
+            log.info("request %s failed: %s", request.request_id, exc)
+            return error_response(request.request_id, exc)
+        except AssertionError:
+            log.critical("broken invariant while serving %r", request, exc_info=True)
+            raise
+        except Exception as exc:
+            log.exception("internal error serving %s", type(request).__name__)
+            return error_response(request.request_id, exc)
+
+    def _session_lock(self, session_id: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(session_id, threading.Lock())
+
+    def _open_session_row(self, session_id: str) -> dict[str, Any]:
+        row = self.state.session(session_id)
+        if row is None:
+            raise UnknownSession(session_id)
+        if row["state"] != "open":
+            raise SessionClosed(session_id)
+        return row
+
+    # Sessions ----------------------------------------------------------------------------------
+
+    def health(self, req: p.HealthRequest) -> p.HealthResponse:
+        return p.HealthResponse(request_id=req.request_id, version=__version__, protocol=p.PROTOCOL_VERSION,
+                                open_sessions=len(self.state.sessions()),
+                                uptime_s=time.monotonic() - self.started)
+
+    def open_session(self, req: p.OpenSessionRequest) -> p.OpenSessionResponse:
+        session_id = "s-" + uuid.uuid4().hex[:12]
+        image = req.image or self.config.image
+        if not self.containers.image_exists(image):
+            raise NotFound(f"image {image!r} not found on the Docker engine", image=image)
+        self.state.add_session(session_id, image)
+        with self._session_lock(session_id):
+            try:
+                root = self.store.create(session_id, self.containers.owner())
+                container_id = self.containers.create(session_id, image, root, self.store.propagation)
+            except BaseException:
+                self._teardown(session_id)
+                self.state.update_session(session_id, state="failed", closed_at=time.time())
+                raise
+            self.state.update_session(session_id, state="open", container_id=container_id)
+        log.info("session %s opened on %s", session_id, image)
+        return p.OpenSessionResponse(request_id=req.request_id, session=self._info(session_id))
+
+    def close_session(self, req: p.CloseSessionRequest) -> p.CloseSessionResponse:
+        with self._session_lock(req.session_id):
+            self._open_session_row(req.session_id)
+            self.state.update_session(req.session_id, state="closing")
+            self._teardown(req.session_id)
+            self.state.delete_snapshots_of(req.session_id)
+            self.state.update_session(req.session_id, state="closed", closed_at=time.time())
+        log.info("session %s closed", req.session_id)
+        return p.CloseSessionResponse(request_id=req.request_id, session_id=req.session_id)
+
+    def _teardown(self, session_id: str) -> None:
+        self.containers.remove(session_id)
+        self.store.destroy(session_id)
+
+    def list_sessions(self, req: p.ListSessionsRequest) -> p.ListSessionsResponse:
+        states = ("open", "closed", "failed") if req.include_closed else ("open",)
+        rows = self.state.sessions(states)
+        return p.ListSessionsResponse(request_id=req.request_id, sessions=[_session_info(r) for r in rows])
+
+    def _info(self, session_id: str) -> p.SessionInfo:
+        row = self.state.session(session_id)
+        assert row is not None, f"session {session_id} vanished while being served"
+        return _session_info(row)
+
+    def list_tools(self, req: p.ListToolsRequest) -> p.ListToolsResponse:
+        if req.session_id is not None:
+            self._open_session_row(req.session_id)
+        return p.ListToolsResponse(request_id=req.request_id, tools=self.tools.manifests())
+
+    # Calls -------------------------------------------------------------------------------------
+
+    def call(self, req: p.CallRequest) -> p.CallResponse:
+        manifest = self.tools.validate(req.tool, req.args)
+        with self._session_lock(req.session_id):
+            self._open_session_row(req.session_id)
+            if req.call_id is not None and (record := self.state.call(req.call_id)) is not None:
+                return p.CallResponse(request_id=req.request_id, result=self._answer_from_record(req, record))
+            if manifest.effect == "external":
+                raise ExternalUnavailable(f"{req.tool} is an external tool; no effect adapter serves it yet",
+                                          tool=req.tool)
+            call_id = req.call_id or "c-" + uuid.uuid4().hex
+            self.state.begin_call(call_id, req.session_id, req.tool, req.args, manifest.effect)
+            try:
+                result = self._execute(req, call_id)
+            except SandboxdError as exc:
+                code, message, details = to_wire(exc)
+                status = "timeout" if isinstance(exc, ToolTimeout) else "error"
+                self.state.finish_call(call_id, status, {"kind": "error", "code": code.value,
+                                                         "message": message, "details": details})
+                raise
+            self.state.finish_call(call_id, "done", {"kind": "result", **msgspec.to_builtins(result)})
+        return p.CallResponse(request_id=req.request_id, result=result)
+
+    def _answer_from_record(self, req: p.CallRequest, record: dict[str, Any]) -> p.CallResult:
+        """A retried call id: the recorded answer, never a second run."""
+        if record["session_id"] != req.session_id or record["tool"] != req.tool \
+                or record["args"] != canonical_args(req.args):
+            raise CallIdConflict(record["call_id"], "for a different call (session, tool or arguments differ)")
+        if record["status"] in ("running", "interrupted"):
+            raise CallInterrupted(record["call_id"])
+        saved = json.loads(record["result"])
+        if saved.pop("kind") == "error":
+            raise RecordedError(saved["code"], saved["message"], saved["details"])
+        result = msgspec.convert(saved, p.CallResult)
+        result.replayed = True
+        return result
+
+    def _execute(self, req: p.CallRequest, call_id: str) -> p.CallResult:
+        limits = self.config.tools
+        timeout = min(float(req.args.get("timeout_s") or req.timeout_s or limits.timeout_s), limits.max_timeout_s)
+        payload = executor_request(req.tool, req.args)
+        payload.update(timeout=timeout, output_bytes=limits.output_bytes, max_bytes=limits.read_bytes)
+        if req.clock is not None:
+            payload["env"] = {"SANDBOXD_CLOCK": repr(req.clock)}
+        started = time.monotonic()
+        reply = self._executor(req.session_id, payload, timeout + 10.0)
+        if "error" in reply:
+            details = dict(reply.get("details") or {}, call_id=call_id, tool=req.tool)
+            factory = _EXECUTOR_ERRORS.get(reply["error"])
+            raise factory(reply["message"], details) if factory else ToolError(reply["message"], **details)
+        if reply.get("timed_out"):
+            raise ToolTimeout(call_id, timeout, reply.get("stdout", ""), reply.get("stderr", ""))
+        if reply.get("oom_killed"):
+            raise ResourceLimit(call_id, "memory", f"call {call_id} was killed: it ran out of memory "
+                                f"(limit {self.config.sandbox.memory_mb} MB)", exit_code=reply["exit_code"])
+        return p.CallResult(
+            call_id=call_id, tool=req.tool, exit_code=int(reply.get("exit_code", 0)),
+            stdout=reply.get("stdout", ""), stderr=reply.get("stderr", ""),
+            stdout_truncated=bool(reply.get("stdout_truncated")),
+            stderr_truncated=bool(reply.get("stderr_truncated")),
+            duration_ms=(time.monotonic() - started) * 1000,
+        )
+
+    def _executor(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One executor request; a dead container is restarted and the failure reported."""
+        try:
+            return self.containers.channel(session_id).request(payload, timeout)
+        except SandboxUnavailable as exc:
+            restarted = self.containers.ensure_running(session_id)
+            raise SandboxUnavailable(f"{exc.message}; sandbox {'restarted' if restarted else 'is gone'}",
+                                     session_id=session_id, restarted=restarted) from exc
+
+    # Snapshots ---------------------------------------------------------------------------------
+
+    def snapshot(self, req: p.SnapshotRequest) -> p.SnapshotResponse:
+        snapshot_id = "snap-" + uuid.uuid4().hex[:12]
+        with self._session_lock(req.session_id):
+            self._open_session_row(req.session_id)
+            self._quiesce(req.session_id)
+            try:
+                taken = self.store.take(req.session_id, snapshot_id)
+            except (SnapshotError, OSError) as exc:
+                raise SnapshotFailed(f"snapshot of {req.session_id} failed: {exc}") from exc
+            row = {"snapshot_id": snapshot_id, "session_id": req.session_id, "label": req.label,
+                   "created_at": taken.record.created_at, "layers": len(taken.record.layers),
+                   "elapsed_ms": taken.elapsed_ms}
+            self.state.add_snapshot(row)
+        return p.SnapshotResponse(request_id=req.request_id, snapshot=_snapshot_info(row))
+
+    def restore(self, req: p.RestoreRequest) -> p.RestoreResponse:
+        with self._session_lock(req.session_id):
+            self._open_session_row(req.session_id)
+            self._own_snapshot(req.session_id, req.snapshot_id)
+            self._quiesce(req.session_id)
+            try:
+                done = self.store.restore(req.session_id, req.snapshot_id)
+            except UnknownSnapshot as exc:
+                raise SnapshotNotFound(req.snapshot_id, req.session_id) from exc
+            except (SnapshotError, OSError) as exc:
+                raise SnapshotFailed(f"restore of {req.snapshot_id} failed: {exc}") from exc
+        return p.RestoreResponse(request_id=req.request_id, session_id=req.session_id,
+                                 snapshot_id=req.snapshot_id, elapsed_ms=done.elapsed_ms)
+
+    def list_snapshots(self, req: p.ListSnapshotsRequest) -> p.ListSnapshotsResponse:
+        self._open_session_row(req.session_id)
+        rows = self.state.snapshots(req.session_id)
+        return p.ListSnapshotsResponse(request_id=req.request_id, snapshots=[_snapshot_info(r) for r in rows])
+
+    def delete_snapshot(self, req: p.DeleteSnapshotRequest) -> p.DeleteSnapshotResponse:
+        with self._session_lock(req.session_id):
+            self._open_session_row(req.session_id)
+            self._own_snapshot(req.session_id, req.snapshot_id)
+            try:
+                self.store.delete(req.session_id, req.snapshot_id)
+            except UnknownSnapshot:
+                pass  # a crash between store and state already removed the files
+            self.state.delete_snapshot(req.snapshot_id)
+        return p.DeleteSnapshotResponse(request_id=req.request_id, snapshot_id=req.snapshot_id)
+
+    def _own_snapshot(self, session_id: str, snapshot_id: str) -> dict[str, Any]:
+        row = self.state.snapshot(snapshot_id)
+        if row is None or row["session_id"] != session_id:
+            raise SnapshotNotFound(snapshot_id, session_id)
+        return row
+
+    def _quiesce(self, session_id: str) -> None:
+        """No process of the sandbox may write into a layer while it is frozen or replaced."""
+        reply = self._executor(session_id, {"op": "reap"}, 10.0)
+        if not reply.get("ok"):
+            raise SandboxUnavailable(f"could not quiesce {session_id}: {reply}")
+
+    # Recovery ----------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Bring sessions, containers and snapshots back in line after a crash or restart."""
+        for call_id in self.state.interrupt_running_calls():
+            log.warning("call %s was interrupted by a restart", call_id)
+        for row in self.state.sessions(("opening", "closing")):
+            self._teardown(row["session_id"])
+            self.state.delete_snapshots_of(row["session_id"])
+            final = "failed" if row["state"] == "opening" else "closed"
+            self.state.update_session(row["session_id"], state=final, closed_at=time.time())
+        live = set()
+        for row in self.state.sessions(("open",)):
+            self._recover_session(row)
+            live.add(row["session_id"])
+        for session_id in set(self.containers.sessions_with_containers()) - live:
+            log.warning("removing orphaned container of %s", session_id)
+            self.containers.remove(session_id)
+        for workspace in set(self.store.workspaces()) - live:
+            log.warning("removing orphaned workspace %s", workspace)
+            self.store.destroy(workspace)
+
+    def _recover_session(self, row: dict[str, Any]) -> None:
+        session_id = row["session_id"]
+        self.store.recover(session_id)
+        on_disk = {r.snapshot_id for r in self.store.list(session_id)}
+        recorded = {r["snapshot_id"] for r in self.state.snapshots(session_id)}
+        for snapshot_id in on_disk - recorded:  # taken but never acknowledged
+            self.store.delete(session_id, snapshot_id)
+        for snapshot_id in recorded - on_disk:  # deleted from disk, row left by a crash
+            self.state.delete_snapshot(snapshot_id)
+        if not self.containers.ensure_running(session_id):
+            log.warning("recreating the missing container of %s", session_id)
+            container_id = self.containers.create(session_id, row["image"], self.store.mount_root(session_id),
+                                                  self.store.propagation)
+            self.state.update_session(session_id, container_id=container_id)
+
+
+def error_response(request_id: str, error: BaseException) -> p.ErrorResponse:
+    """The one mapping from an exception to the error reply."""
+    code, message, details = to_wire(error)
+    return p.ErrorResponse(request_id=request_id, code=code.value, message=message,
+                           details=msgspec.to_builtins(details))
+
+
+def _session_info(row: dict[str, Any]) -> p.SessionInfo:
+    state = "open" if row["state"] == "open" else "closed"
+    return p.SessionInfo(session_id=row["session_id"], image=row["image"], state=state,
+                         created_at=row["created_at"], container=row["container_id"])
+
+
+def _snapshot_info(row: dict[str, Any]) -> p.SnapshotInfo:
+    return p.SnapshotInfo(snapshot_id=row["snapshot_id"], session_id=row["session_id"],
+                          created_at=row["created_at"], label=row["label"], layers=row["layers"] or 1,
+                          elapsed_ms=row["elapsed_ms"] or 0.0)

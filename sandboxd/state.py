@@ -1,0 +1,166 @@
+"""The daemon's durable state in SQLite: sessions, calls and snapshots.
+
+One connection shared by the worker threads under a lock, WAL mode and `synchronous=FULL`: a reply
+is sent only after its record is committed, so whatever the daemon acknowledged survives `kill -9`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+SCHEMA_VERSION = 1
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection with the pragmas every sandboxd database uses."""
+    conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    # Revoked content must not survive in freed pages (the revocation issue relies on this).
+    conn.execute("PRAGMA secure_delete=ON")
+    return conn
+
+
+class StateStore:
+    """Typed access to the state tables; every method is one transaction."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.conn = connect(path)
+        self.db = sqlite_utils.Database(self.conn)
+        self.lock = threading.RLock()
+        self._create()
+
+    def _create(self) -> None:
+        with self.transaction():
+            self.db["sessions"].create(
+                {"session_id": str, "image": str, "state": str, "created_at": float, "closed_at": float,
+                 "container_id": str},
+                pk="session_id", if_not_exists=True, not_null={"image", "state", "created_at"},
+            )
+            self.db["calls"].create(
+                {"call_id": str, "session_id": str, "seq": int, "tool": str, "args": str, "effect": str,
+                 "status": str, "result": str, "created_at": float, "finished_at": float},
+                pk="call_id", if_not_exists=True, foreign_keys=[("session_id", "sessions")],
+                not_null={"session_id", "tool", "args", "status"},
+            )
+            self.db["snapshots"].create(
+                {"snapshot_id": str, "session_id": str, "label": str, "created_at": float, "layers": int,
+                 "elapsed_ms": float},
+                pk="snapshot_id", if_not_exists=True, foreign_keys=[("session_id", "sessions")],
+            )
+            self.db["calls"].create_index(["session_id", "seq"], if_not_exists=True)
+            self.db["snapshots"].create_index(["session_id"], if_not_exists=True)
+            self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite_utils.Database]:
+        """BEGIN IMMEDIATE .. COMMIT under the store lock; rolls back on any exception."""
+        with self.lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            self.conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self.lock:
+            self.conn.close()
+
+    # Sessions ----------------------------------------------------------------------------------
+
+    def add_session(self, session_id: str, image: str) -> dict[str, Any]:
+        row = {"session_id": session_id, "image": image, "state": "opening", "created_at": time.time(),
+               "closed_at": None, "container_id": None}
+        with self.transaction() as db:
+            db["sessions"].insert(row)
+        return row
+
+    def update_session(self, session_id: str, **fields: Any) -> None:
+        with self.transaction() as db:
+            db["sessions"].update(session_id, fields)
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        with self.lock:
+            rows = list(self.db["sessions"].rows_where("session_id = ?", [session_id]))
+        return rows[0] if rows else None
+
+    def sessions(self, states: tuple[str, ...] = ("open",)) -> list[dict[str, Any]]:
+        marks = ",".join("?" for _ in states)
+        with self.lock:
+            return list(self.db["sessions"].rows_where(f"state in ({marks})", list(states),
+                                                       order_by="created_at"))
+
+    # Calls -------------------------------------------------------------------------------------
+
+    def call(self, call_id: str) -> dict[str, Any] | None:
+        with self.lock:
+            rows = list(self.db["calls"].rows_where("call_id = ?", [call_id]))
+        return rows[0] if rows else None
+
+    def begin_call(self, call_id: str, session_id: str, tool: str, args: dict[str, Any], effect: str) -> None:
+        """Record a call as running before it runs (write-ahead)."""
+        with self.transaction() as db:
+            seq = self.conn.execute(
+                "SELECT COALESCE(MAX(seq), 0) + 1 FROM calls WHERE session_id = ?", [session_id]
+            ).fetchone()[0]
+            db["calls"].insert({"call_id": call_id, "session_id": session_id, "seq": seq, "tool": tool,
+                                "args": canonical_args(args), "effect": effect, "status": "running",
+                                "result": None, "created_at": time.time(), "finished_at": None})
+
+    def finish_call(self, call_id: str, status: str, result: dict[str, Any]) -> None:
+        with self.transaction() as db:
+            db["calls"].update(call_id, {"status": status, "result": json.dumps(result),
+                                         "finished_at": time.time()})
+
+    def interrupt_running_calls(self) -> list[str]:
+        """Mark calls a crash cut off; returns their ids."""
+        with self.transaction():
+            ids = [r[0] for r in self.conn.execute("SELECT call_id FROM calls WHERE status = 'running'")]
+            self.conn.execute("UPDATE calls SET status = 'interrupted' WHERE status = 'running'")
+        return ids
+
+    def calls(self, session_id: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.db["calls"].rows_where("session_id = ?", [session_id], order_by="seq"))
+
+    # Snapshots ---------------------------------------------------------------------------------
+
+    def add_snapshot(self, row: dict[str, Any]) -> None:
+        with self.transaction() as db:
+            db["snapshots"].insert(row)
+
+    def snapshot(self, snapshot_id: str) -> dict[str, Any] | None:
+        with self.lock:
+            rows = list(self.db["snapshots"].rows_where("snapshot_id = ?", [snapshot_id]))
+        return rows[0] if rows else None
+
+    def snapshots(self, session_id: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.db["snapshots"].rows_where("session_id = ?", [session_id],
+                                                        order_by="created_at, snapshot_id"))
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        with self.transaction() as db:
+            db["snapshots"].delete(snapshot_id)
+
+    def delete_snapshots_of(self, session_id: str) -> None:
+        with self.transaction():
+            self.conn.execute("DELETE FROM snapshots WHERE session_id = ?", [session_id])
+
+
+def canonical_args(args: dict[str, Any]) -> str:
+    """Arguments as stable JSON, so a retried call id can be compared with its record."""
+    return json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

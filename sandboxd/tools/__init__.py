@@ -1,0 +1,1 @@
+"""Tool manifests and argument validation."""

@@ -1,0 +1,120 @@
+"""The snapshot store interface: one workspace per session, snapshots of its whole file tree.
+
+A store owns a directory tree on the host. For each workspace it exposes a *mount root*: a host
+directory that the sandbox bind-mounts at `/sandbox`, whose `ws/` child is the workspace the tools
+see (the image links `/workspace` to `/sandbox/ws`). Binding the parent rather than `ws/` itself lets
+a backend swap what `ws/` is (a new overlay mount, a fresh directory) without touching the container.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class SnapshotError(Exception):
+    """A snapshot operation failed; the message says which and why."""
+
+
+class UnknownSnapshot(SnapshotError):
+    def __init__(self, workspace: str, snapshot_id: str) -> None:
+        super().__init__(f"workspace {workspace!r} has no snapshot {snapshot_id!r}")
+        self.workspace = workspace
+        self.snapshot_id = snapshot_id
+
+
+class SnapshotRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One snapshot as the store knows it."""
+
+    snapshot_id: str
+    workspace: str
+    created_at: float
+    layers: tuple[str, ...] = ()
+
+
+class TakeResult(msgspec.Struct, frozen=True, kw_only=True):
+    record: SnapshotRecord
+    elapsed_ms: float
+    flattened: bool = False
+
+
+class RestoreResult(msgspec.Struct, frozen=True, kw_only=True):
+    workspace: str
+    snapshot_id: str
+    elapsed_ms: float
+
+
+def check_name(kind: str, name: str) -> str:
+    """Workspace and snapshot ids become path components: refuse anything that is not a plain name."""
+    if not _NAME.match(name):
+        raise SnapshotError(f"invalid {kind} name {name!r}")
+    return name
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Write JSON so that a crash leaves either the old file or the new one, never half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(value, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class SnapshotStore(abc.ABC):
+    """Take, restore, list and delete snapshots of per-session workspaces."""
+
+    #: bind propagation the sandbox must use for the mount root, so backend remounts reach it
+    propagation: str = "rprivate"
+
+    @abc.abstractmethod
+    def create(self, workspace: str, owner: tuple[int, int]) -> Path:
+        """Make an empty workspace owned by uid:gid and return its mount root."""
+
+    @abc.abstractmethod
+    def mount_root(self, workspace: str) -> Path:
+        """The host directory to bind at /sandbox."""
+
+    @abc.abstractmethod
+    def take(self, workspace: str, snapshot_id: str) -> TakeResult:
+        """Freeze the workspace's current tree under `snapshot_id`."""
+
+    @abc.abstractmethod
+    def restore(self, workspace: str, snapshot_id: str) -> RestoreResult:
+        """Make the workspace's tree exactly what it was when `snapshot_id` was taken."""
+
+    @abc.abstractmethod
+    def delete(self, workspace: str, snapshot_id: str) -> None:
+        """Forget one snapshot and free whatever only it was holding."""
+
+    @abc.abstractmethod
+    def list(self, workspace: str) -> list[SnapshotRecord]:
+        """Snapshots of a workspace, oldest first."""
+
+    @abc.abstractmethod
+    def destroy(self, workspace: str) -> None:
+        """Remove the workspace and every snapshot of it; nothing is left on disk."""
+
+    @abc.abstractmethod
+    def recover(self, workspace: str) -> None:
+        """Bring a workspace back to a usable state after a crash or a reboot."""
+
+    @abc.abstractmethod
+    def workspaces(self) -> list[str]:
+        """Every workspace this store holds on disk."""
+
+    def release(self) -> None:
+        """Undo host-level set-up (mounts) once no workspace is left; a no-op by default."""

@@ -1,0 +1,297 @@
+"""Layered overlay snapshots: a snapshot freezes only what changed since the previous one.
+
+Each workspace is an overlayfs mount whose lower layers are frozen snapshot layers and whose upper
+directory collects the changes since the last snapshot or restore. Taking a snapshot unmounts,
+renames the upper directory into a new read-only layer and mounts again with a fresh upper: no file
+data is copied, so its cost does not grow with the workspace. Restoring mounts the snapshot's layer
+stack with an empty upper. Layers are immutable and shared between snapshots; a layer is removed
+when no snapshot and no live stack refers to it.
+
+The mount root is a shared mount, so a remount of `ws/` propagates into the container that binds the
+root with `rslave` propagation; the container is never restarted.
+
+Rejected: `docker commit` per snapshot (copies the whole diff every time, ~0.4 s for 50 MB) and
+hard-link trees (a tool writing a file in place would corrupt the snapshot sharing its inode).
+
+Crash safety: a take writes the snapshot record before renaming the upper, and the live stack after;
+`recover` settles each crash point (see there). Needs root and a filesystem that can hold overlay
+upper directories (ext4, xfs, tmpfs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from snapshots.base import (
+    RestoreResult,
+    SnapshotError,
+    SnapshotRecord,
+    SnapshotStore,
+    TakeResult,
+    UnknownSnapshot,
+    check_name,
+    write_json_atomic,
+)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
+_MS_BIND = 4096
+_MS_REC = 16384
+_MS_SHARED = 1 << 20
+_MS_RDONLY = 1
+# Overlay option strings must fit in one page; stay clear of it.
+_MAX_OPTIONS = 3800
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    rc = _libc.mount(
+        source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+        data.encode() if data else None,
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise SnapshotError(f"mount {fstype or 'bind'} on {target} failed: {os.strerror(err)}")
+
+
+def _umount(target: str) -> None:
+    if _libc.umount2(target.encode(), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err != 22:  # EINVAL: not a mount point, already gone
+            raise SnapshotError(f"umount {target} failed: {os.strerror(err)}")
+
+
+def _mountpoints() -> dict[str, str]:
+    """Mount points of this namespace mapped to their optional fields (propagation tags)."""
+    points: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            fields = line.split()
+            sep = fields.index("-")
+            points[fields[4].replace("\\040", " ")] = " ".join(fields[6:sep])
+    return points
+
+
+class OverlaySnapshotStore(SnapshotStore):
+    """Snapshots as stacks of immutable overlay layers under `root`."""
+
+    propagation = "rslave"
+
+    def __init__(self, root: Path, max_layers: int = 64) -> None:
+        self.root = root
+        self.max_layers = max_layers
+        self.mounts = root / "mounts"
+        self.layers = root / "layers"
+        self.mounts.mkdir(parents=True, exist_ok=True)
+        self.layers.mkdir(parents=True, exist_ok=True)
+        self._ensure_shared()
+
+    # Paths -------------------------------------------------------------------------------------
+
+    def mount_root(self, workspace: str) -> Path:
+        return self.mounts / check_name("workspace", workspace)
+
+    def _ws(self, workspace: str) -> Path:
+        return self.mount_root(workspace) / "ws"
+
+    def _dir(self, workspace: str) -> Path:
+        return self.layers / check_name("workspace", workspace)
+
+    def _records(self, workspace: str) -> Path:
+        return self._dir(workspace) / "snapshots"
+
+    # Interface ---------------------------------------------------------------------------------
+
+    def create(self, workspace: str, owner: tuple[int, int]) -> Path:
+        d = self._dir(workspace)
+        if d.exists():
+            raise SnapshotError(f"workspace {workspace!r} already exists")
+        for sub in ("base", "upper", "work", "snapshots"):
+            (d / sub).mkdir(parents=True)
+        for sub in ("base", "upper"):
+            os.chown(d / sub, *owner)
+            os.chmod(d / sub, 0o755)
+        write_json_atomic(d / "stack.json", ["base"])
+        self._ws(workspace).mkdir(parents=True)
+        self._mount_stack(workspace, ["base"])
+        return self.mount_root(workspace)
+
+    def take(self, workspace: str, snapshot_id: str) -> TakeResult:
+        started = time.monotonic()
+        check_name("snapshot", snapshot_id)
+        d = self._dir(workspace)
+        stack = self._stack(workspace)
+        record = SnapshotRecord(
+            snapshot_id=snapshot_id, workspace=workspace, created_at=time.time(),
+            layers=(snapshot_id, *stack),
+        )
+        if (self._records(workspace) / f"{snapshot_id}.json").exists():
+            raise SnapshotError(f"snapshot {snapshot_id!r} already exists")
+        write_json_atomic(self._records(workspace) / f"{snapshot_id}.json", _record_json(record))
+        _umount(str(self._ws(workspace)))
+        os.rename(d / "upper", d / snapshot_id)
+        flattened = False
+        if self._too_deep(workspace, list(record.layers)):
+            record = self._flatten(workspace, record)
+            flattened = True
+        write_json_atomic(d / "stack.json", list(record.layers))
+        self._fresh_upper(workspace, record.layers[0])
+        self._mount_stack(workspace, list(record.layers))
+        if flattened:
+            self._collect_layers(workspace)
+        return TakeResult(record=record, elapsed_ms=(time.monotonic() - started) * 1000, flattened=flattened)
+
+    def restore(self, workspace: str, snapshot_id: str) -> RestoreResult:
+        started = time.monotonic()
+        record = self._record(workspace, snapshot_id)
+        d = self._dir(workspace)
+        _umount(str(self._ws(workspace)))
+        trash = d / f"trash-{uuid.uuid4().hex[:8]}"
+        os.rename(d / "upper", trash)
+        write_json_atomic(d / "stack.json", list(record.layers))
+        self._fresh_upper(workspace, record.layers[0])
+        self._mount_stack(workspace, list(record.layers))
+        shutil.rmtree(trash)
+        return RestoreResult(workspace=workspace, snapshot_id=snapshot_id,
+                             elapsed_ms=(time.monotonic() - started) * 1000)
+
+    def delete(self, workspace: str, snapshot_id: str) -> None:
+        self._record(workspace, snapshot_id)
+        (self._records(workspace) / f"{snapshot_id}.json").unlink()
+        self._collect_layers(workspace)
+
+    def list(self, workspace: str) -> list[SnapshotRecord]:
+        records = [self._load(p) for p in self._records(workspace).glob("*.json")]
+        return sorted((r for r in records if (self._dir(workspace) / r.layers[0]).exists()),
+                      key=lambda r: (r.created_at, r.snapshot_id))
+
+    def destroy(self, workspace: str) -> None:
+        _umount(str(self._ws(workspace)))
+        shutil.rmtree(self.mount_root(workspace), ignore_errors=True)
+        shutil.rmtree(self._dir(workspace), ignore_errors=True)
+
+    def workspaces(self) -> list[str]:
+        return sorted(p.name for p in self.layers.iterdir() if p.is_dir())
+
+    def release(self) -> None:
+        if not self.workspaces():
+            _umount(str(self.mounts))
+
+    def recover(self, workspace: str) -> None:
+        """Settle an interrupted take or restore, then make sure the workspace is mounted."""
+        d = self._dir(workspace)
+        _umount(str(self._ws(workspace)))
+        for path in self._records(workspace).glob("*.json"):
+            record = self._load(path)
+            if not (d / record.layers[0]).exists():
+                # Crash between writing the record and renaming the upper: the take never happened.
+                if (d / "upper").exists():
+                    path.unlink()
+                else:
+                    raise SnapshotError(f"workspace {workspace!r}: upper and layer {record.layers[0]} both gone")
+        if not (d / "upper").exists():
+            # Crash after the upper became a layer: the newest record built on the live stack wins.
+            stack = self._stack(workspace)
+            newest = [r for r in self.list(workspace) if list(r.layers[1:]) == stack]
+            if newest:
+                write_json_atomic(d / "stack.json", list(newest[-1].layers))
+            self._fresh_upper(workspace, self._stack(workspace)[0])
+        for trash in d.glob("trash-*"):
+            shutil.rmtree(trash)
+        self._ws(workspace).mkdir(parents=True, exist_ok=True)
+        self._mount_stack(workspace, self._stack(workspace))
+        self._collect_layers(workspace)
+
+    # Internals ---------------------------------------------------------------------------------
+
+    def _ensure_shared(self) -> None:
+        point = str(self.mounts)
+        tags = _mountpoints().get(point)
+        if tags is None:
+            _mount(point, point, None, _MS_BIND, None)
+            tags = ""
+        if "shared:" not in tags:
+            _mount("none", point, None, _MS_SHARED | _MS_REC, None)
+
+    def _stack(self, workspace: str) -> list[str]:
+        with open(self._dir(workspace) / "stack.json") as fh:
+            return list(json.load(fh))
+
+    def _record(self, workspace: str, snapshot_id: str) -> SnapshotRecord:
+        check_name("snapshot", snapshot_id)
+        path = self._records(workspace) / f"{snapshot_id}.json"
+        if not path.exists():
+            raise UnknownSnapshot(workspace, snapshot_id)
+        return self._load(path)
+
+    @staticmethod
+    def _load(path: Path) -> SnapshotRecord:
+        with open(path) as fh:
+            raw = json.load(fh)
+        return SnapshotRecord(snapshot_id=raw["snapshot_id"], workspace=raw["workspace"],
+                              created_at=raw["created_at"], layers=tuple(raw["layers"]))
+
+    def _options(self, workspace: str, stack: list[str]) -> str:
+        d = self._dir(workspace)
+        lower = ":".join(str(d / layer) for layer in stack)
+        return f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
+
+    def _too_deep(self, workspace: str, stack: list[str]) -> bool:
+        return len(stack) > self.max_layers or len(self._options(workspace, stack)) > _MAX_OPTIONS
+
+    def _mount_stack(self, workspace: str, stack: list[str]) -> None:
+        _mount("overlay", str(self._ws(workspace)), "overlay", 0, self._options(workspace, stack))
+
+    def _fresh_upper(self, workspace: str, top: str) -> None:
+        """An empty upper (and work) dir whose root carries the owner and mode of the stack's top."""
+        d = self._dir(workspace)
+        shutil.rmtree(d / "work", ignore_errors=True)
+        (d / "work").mkdir()
+        (d / "upper").mkdir()
+        st = os.stat(d / top)
+        os.chown(d / "upper", st.st_uid, st.st_gid)
+        os.chmod(d / "upper", st.st_mode & 0o7777)
+
+    def _flatten(self, workspace: str, record: SnapshotRecord) -> SnapshotRecord:
+        """Copy the merged view of a too-deep stack into one layer; happens once per max_layers takes."""
+        d = self._dir(workspace)
+        flat = f"{record.snapshot_id}.flat"
+        view = d / "flatten-view"
+        view.mkdir(exist_ok=True)
+        lower = ":".join(str(d / layer) for layer in record.layers)
+        _mount("overlay", str(view), "overlay", _MS_RDONLY, f"lowerdir={lower}")
+        try:
+            (d / flat).mkdir()
+            subprocess.run(["cp", "-a", f"{view}/.", str(d / flat)], check=True)
+            st = os.stat(view)
+            os.chown(d / flat, st.st_uid, st.st_gid)
+            os.chmod(d / flat, st.st_mode & 0o7777)
+        finally:
+            _umount(str(view))
+            view.rmdir()
+        flattened = SnapshotRecord(snapshot_id=record.snapshot_id, workspace=workspace,
+                                   created_at=record.created_at, layers=(flat,))
+        write_json_atomic(self._records(workspace) / f"{record.snapshot_id}.json", _record_json(flattened))
+        return flattened
+
+    def _collect_layers(self, workspace: str) -> None:
+        """Remove layers that neither a snapshot nor the live stack refers to."""
+        d = self._dir(workspace)
+        live = set(self._stack(workspace))
+        for record in self.list(workspace):
+            live.update(record.layers)
+        fixed = {"upper", "work", "snapshots", "stack.json", "stack.json.tmp"}
+        for entry in d.iterdir():
+            if entry.name not in fixed and entry.name not in live and not entry.name.startswith("trash-"):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+def _record_json(record: SnapshotRecord) -> dict[str, object]:
+    return {"snapshot_id": record.snapshot_id, "workspace": record.workspace,
+            "created_at": record.created_at, "layers": list(record.layers)}

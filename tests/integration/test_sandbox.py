@@ -1,0 +1,184 @@
+"""Tool calls in real hardened containers: where they run, what the hardening stops, how errors read."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import docker
+import pytest
+
+from sandboxd.client import Client, RemoteError
+from tests.integration.conftest import DaemonProcess
+
+pytestmark = pytest.mark.docker
+
+
+def shell(client: Client, session: str, command: str, **kw: object) -> str:
+    result = client.call(session, "shell", {"command": command}, **kw)  # type: ignore[arg-type]
+    assert result.exit_code == 0, result.stderr
+    return result.stdout
+
+
+def test_call_runs_inside_the_sessions_container(client: Client, session: str, engine: docker.DockerClient,
+                                                 tmp_path) -> None:
+    marker = tmp_path / "host-only-marker"
+    marker.write_text("host")
+    info = next(s for s in client.sessions() if s.session_id == session)
+    hostname = shell(client, session, "cat /etc/hostname").strip()
+    assert info.container is not None and info.container.startswith(hostname)
+    assert engine.containers.get(info.container).status == "running"
+    out = client.call(session, "shell", {"command": f"test -e {marker} && echo visible || echo absent"})
+    assert out.stdout.strip() == "absent"
+    assert shell(client, session, "pwd").strip() in ("/workspace", "/sandbox/ws")
+
+
+def test_runs_as_non_root_without_capabilities(client: Client, session: str) -> None:
+    assert shell(client, session, "id -u").strip() == "1000"
+    caps = shell(client, session, "grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status")
+    assert all(line.split()[1] == "0000000000000000" for line in caps.splitlines()), caps
+    assert "NoNewPrivs:\t1" in shell(client, session, "grep NoNewPrivs /proc/self/status")
+
+
+def test_no_network(client: Client, session: str) -> None:
+    # A listener on the host's loopback: a sandbox with a network path to the host could reach it.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    accepted: list[object] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    try:
+        interfaces = shell(client, session, "ls /sys/class/net").split()
+        assert interfaces == ["lo"]
+        code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', %d), timeout=2)\n"
+                "    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n") % port
+        out = client.call(session, "python", {"code": code}).stdout
+        assert out.startswith("refused"), out
+        assert accepted == []
+    finally:
+        listener.close()
+
+
+def test_cannot_write_outside_workspace(client: Client, session: str) -> None:
+    for target in ("/etc/owned", "/usr/owned", "/owned", "/sandbox/owned", "/opt/sandboxd/executor.py"):
+        result = client.call(session, "shell", {"command": f"echo x > {target}"})
+        assert result.exit_code != 0, target
+        assert "Read-only file system" in result.stderr or "Permission denied" in result.stderr, result.stderr
+    assert shell(client, session, "echo ok > /workspace/inside && cat /workspace/inside").strip() == "ok"
+
+
+def test_fork_bomb_hits_the_pids_limit_and_the_sandbox_recovers(client: Client, session: str) -> None:
+    code = (
+        "import os, time\nn = 0\ntry:\n    while n < 10000:\n        pid = os.fork()\n"
+        "        if pid == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
+        "except OSError as e:\n    print('blocked', n, e.errno)\n"
+    )
+    out = client.call(session, "python", {"code": code, "timeout_s": 20}).stdout.split()
+    assert out[0] == "blocked" and int(out[1]) < 128, out
+    with pytest.raises(RemoteError) as err:
+        client.call(session, "shell", {"command": "b() { b | b & }; b; sleep 30", "timeout_s": 3})
+    assert err.value.wire_code == "tool_timeout"
+    # The executor killed the whole process group: the sandbox has room to fork again.
+    assert shell(client, session, "echo alive").strip() == "alive"
+
+
+def test_memory_hog_is_killed_and_reported(client: Client, session: str) -> None:
+    code = "chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 1024 * 1024))\n"
+    with pytest.raises(RemoteError) as err:
+        client.call(session, "python", {"code": code, "timeout_s": 60})
+    assert err.value.wire_code == "resource_limit"
+    assert err.value.details["limit"] == "memory"
+    assert shell(client, session, "echo alive").strip() == "alive"
+
+
+def test_timeout_kills_the_call_and_its_children(client: Client, session: str) -> None:
+    with pytest.raises(RemoteError) as err:
+        client.call(session, "shell", {"command": "echo started; (sleep 300 &); sleep 300", "timeout_s": 1})
+    assert err.value.wire_code == "tool_timeout"
+    assert err.value.details["stdout"] == "started\n"
+    procs = shell(client, session, "for p in /proc/[0-9]*; do cat $p/cmdline 2>/dev/null | tr '\\0' ' '; "
+                                   "echo; done")
+    assert "sleep 300" not in procs
+
+
+def test_background_process_does_not_outlive_its_call(client: Client, session: str) -> None:
+    result = client.call(session, "shell", {"command": "setsid sleep 120 > /dev/null 2>&1 & echo bg"})
+    assert result.stdout.strip() == "bg"
+    assert result.duration_ms < 5000
+
+
+def test_output_is_capped(client: Client, session: str) -> None:
+    result = client.call(session, "shell", {"command": "head -c 1000000 /dev/zero | tr '\\0' a"})
+    assert result.stdout_truncated
+    assert len(result.stdout) == 64 * 1024
+
+
+def test_paths_are_confined(client: Client, session: str) -> None:
+    shell(client, session, "ln -s /etc etc-link && ln -s /etc/passwd pw && mkdir -p d && echo s > d/f")
+    for bad in ("../etc/passwd", "/etc/passwd", "d/../../x", "etc-link/passwd", "pw"):
+        with pytest.raises(RemoteError) as err:
+            client.call(session, "read_file", {"path": bad})
+        assert err.value.wire_code == "path_escape", bad
+    with pytest.raises(RemoteError) as err:
+        client.call(session, "write_file", {"path": "etc-link/evil", "content": "x"})
+    assert err.value.wire_code == "path_escape"
+    assert client.call(session, "read_file", {"path": "/workspace/d/f"}).stdout == "s\n"
+    assert client.call(session, "read_file", {"path": "d/../d/f"}).stdout == "s\n"
+
+
+def test_builtin_tools(client: Client, session: str) -> None:
+    client.call(session, "write_file", {"path": "notes/a.txt", "content": "one\n"})
+    client.call(session, "write_file", {"path": "notes/a.txt", "content": "two\n", "append": True})
+    assert client.call(session, "read_file", {"path": "notes/a.txt"}).stdout == "one\ntwo\n"
+    rows = [json.loads(line) for line in client.call(session, "list_dir", {"recursive": True}).stdout.splitlines()]
+    assert [(r["path"], r["type"]) for r in rows] == [("notes", "dir"), ("notes/a.txt", "file")]
+    assert rows[1]["size"] == 8
+    out = client.call(session, "python", {"code": "print(open('notes/a.txt').read().split())"}).stdout
+    assert out.strip() == "['one', 'two']"
+    failing = client.call(session, "shell", {"command": "echo err >&2; exit 3"})
+    assert (failing.exit_code, failing.stderr) == (3, "err\n")
+
+
+def test_bad_requests_get_clear_errors(client: Client, session: str) -> None:
+    cases = [
+        (dict(session_id=session, tool="nope", args={}), "unknown_tool"),
+        (dict(session_id=session, tool="shell", args={}), "invalid_arguments"),
+        (dict(session_id=session, tool="shell", args={"command": "ls", "extra": 1}), "invalid_arguments"),
+        (dict(session_id=session, tool="read_file", args={"path": 3}), "invalid_arguments"),
+        (dict(session_id="s-missing", tool="shell", args={"command": "ls"}), "unknown_session"),
+        (dict(session_id=session, tool="read_file", args={"path": "missing.txt"}), "not_found"),
+    ]
+    for kwargs, code in cases:
+        with pytest.raises(RemoteError) as err:
+            client.call(**kwargs)  # type: ignore[arg-type]
+        assert err.value.wire_code == code, (kwargs, err.value)
+    with pytest.raises(RemoteError) as err:
+        client.restore(session, "snap-missing")
+    assert err.value.wire_code == "snapshot_not_found"
+    assert shell(client, session, "echo still serving").strip() == "still serving"
+
+
+def test_two_sessions_cannot_see_each_others_files(client: Client) -> None:
+    a = client.open_session().session_id
+    b = client.open_session().session_id
+    shell(client, a, "echo top-secret-a > secret-a.txt")
+    found = shell(client, b, "find / -xdev -name 'secret-a*' 2>/dev/null; ls -a /sandbox; ls /workspace")
+    assert "secret-a" not in found
+    assert client.call(b, "shell", {"command": "grep -rs --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev top-secret-a / ; true"}).stdout == ""
+
+
+def test_closing_a_session_leaves_nothing_behind(daemon: DaemonProcess, client: Client,
+                                                 engine: docker.DockerClient) -> None:
+    sid = client.open_session().session_id
+    shell(client, sid, "echo x > f")
+    client.snapshot(sid)
+    client.close_session(sid)
+    labelled = engine.containers.list(all=True, filters={"label": f"sandboxd.session={sid}"})
+    assert labelled == []
+    leftovers = [p for p in daemon.state_dir.rglob("*") if sid in p.name]
+    assert leftovers == []
+    with pytest.raises(RemoteError) as err:
+        client.call(sid, "shell", {"command": "true"})
+    assert err.value.wire_code == "session_closed"
