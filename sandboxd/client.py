@@ -36,7 +36,7 @@ class Client:
     def __init__(self, endpoint: str | None = None, timeout_s: float = 120.0) -> None:
         self.endpoint = endpoint or default_endpoint(default_state_dir())
         self.timeout_ms = int(timeout_s * 1000)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
 
     def __enter__(self) -> Client:

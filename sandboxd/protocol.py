@@ -215,8 +215,8 @@ Response = (
     | ErrorResponse
 )
 
-REQUEST_TYPES: dict[str, type[Any]] = {cls.__name__: cls for cls in Request.__args__}  # type: ignore[attr-defined]
-RESPONSE_TYPES: dict[str, type[Any]] = {cls.__name__: cls for cls in Response.__args__}  # type: ignore[attr-defined]
+REQUEST_TYPES: dict[str, type[Any]] = {cls.__name__: cls for cls in Request.__args__}
+RESPONSE_TYPES: dict[str, type[Any]] = {cls.__name__: cls for cls in Response.__args__}
 
 DEFAULT_MAX_FRAME = 8 * 1024 * 1024
 
@@ -263,12 +263,12 @@ def _request_id(raw: dict[Any, Any]) -> str:
 
 def decode_request(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Request:
     """Decode a request frame strictly, raising `ProtocolError` with the matching code."""
-    return _decode(frame, REQUEST_TYPES, max_frame)  # type: ignore[no-any-return]
+    return _decode(frame, REQUEST_TYPES, max_frame)
 
 
 def decode_response(frame: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Response:
     """Decode a reply frame strictly (clients use this)."""
-    return _decode(frame, RESPONSE_TYPES, max_frame)  # type: ignore[no-any-return]
+    return _decode(frame, RESPONSE_TYPES, max_frame)
 
 
 def request_id_of(frame: bytes) -> str:

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -307,7 +307,7 @@ class SandboxService:
             self.state.delete_snapshots_of(row["session_id"])
             final = "failed" if row["state"] == "opening" else "closed"
             self.state.update_session(row["session_id"], state=final, closed_at=time.time())
-        live = set()
+        live: set[str] = set()
         for row in self.state.sessions(("open",)):
             self._recover_session(row)
             live.add(row["session_id"])
@@ -342,7 +342,7 @@ def error_response(request_id: str, error: BaseException) -> p.ErrorResponse:
 
 
 def _session_info(row: dict[str, Any]) -> p.SessionInfo:
-    state = "open" if row["state"] == "open" else "closed"
+    state: Literal["open", "closed"] = "open" if row["state"] == "open" else "closed"
     return p.SessionInfo(session_id=row["session_id"], image=row["image"], state=state,
                          created_at=row["created_at"], container=row["container_id"])
 

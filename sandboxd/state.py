@@ -43,24 +43,24 @@ class StateStore:
 
     def _create(self) -> None:
         with self.transaction():
-            self.db["sessions"].create(
+            self.db.table("sessions").create(
                 {"session_id": str, "image": str, "state": str, "created_at": float, "closed_at": float,
                  "container_id": str},
                 pk="session_id", if_not_exists=True, not_null={"image", "state", "created_at"},
             )
-            self.db["calls"].create(
+            self.db.table("calls").create(
                 {"call_id": str, "session_id": str, "seq": int, "tool": str, "args": str, "effect": str,
                  "status": str, "result": str, "created_at": float, "finished_at": float},
                 pk="call_id", if_not_exists=True, foreign_keys=[("session_id", "sessions")],
                 not_null={"session_id", "tool", "args", "status"},
             )
-            self.db["snapshots"].create(
+            self.db.table("snapshots").create(
                 {"snapshot_id": str, "session_id": str, "label": str, "created_at": float, "layers": int,
                  "elapsed_ms": float},
                 pk="snapshot_id", if_not_exists=True, foreign_keys=[("session_id", "sessions")],
             )
-            self.db["calls"].create_index(["session_id", "seq"], if_not_exists=True)
-            self.db["snapshots"].create_index(["session_id"], if_not_exists=True)
+            self.db.table("calls").create_index(["session_id", "seq"], if_not_exists=True)
+            self.db.table("snapshots").create_index(["session_id"], if_not_exists=True)
             self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @contextmanager
@@ -85,29 +85,29 @@ class StateStore:
         row = {"session_id": session_id, "image": image, "state": "opening", "created_at": time.time(),
                "closed_at": None, "container_id": None}
         with self.transaction() as db:
-            db["sessions"].insert(row)
+            db.table("sessions").insert(row)
         return row
 
     def update_session(self, session_id: str, **fields: Any) -> None:
         with self.transaction() as db:
-            db["sessions"].update(session_id, fields)
+            db.table("sessions").update(session_id, fields)
 
     def session(self, session_id: str) -> dict[str, Any] | None:
         with self.lock:
-            rows = list(self.db["sessions"].rows_where("session_id = ?", [session_id]))
+            rows = list(self.db.table("sessions").rows_where("session_id = ?", [session_id]))
         return rows[0] if rows else None
 
     def sessions(self, states: tuple[str, ...] = ("open",)) -> list[dict[str, Any]]:
         marks = ",".join("?" for _ in states)
         with self.lock:
-            return list(self.db["sessions"].rows_where(f"state in ({marks})", list(states),
+            return list(self.db.table("sessions").rows_where(f"state in ({marks})", list(states),
                                                        order_by="created_at"))
 
     # Calls -------------------------------------------------------------------------------------
 
     def call(self, call_id: str) -> dict[str, Any] | None:
         with self.lock:
-            rows = list(self.db["calls"].rows_where("call_id = ?", [call_id]))
+            rows = list(self.db.table("calls").rows_where("call_id = ?", [call_id]))
         return rows[0] if rows else None
 
     def begin_call(self, call_id: str, session_id: str, tool: str, args: dict[str, Any], effect: str) -> None:
@@ -116,13 +116,13 @@ class StateStore:
             seq = self.conn.execute(
                 "SELECT COALESCE(MAX(seq), 0) + 1 FROM calls WHERE session_id = ?", [session_id]
             ).fetchone()[0]
-            db["calls"].insert({"call_id": call_id, "session_id": session_id, "seq": seq, "tool": tool,
+            db.table("calls").insert({"call_id": call_id, "session_id": session_id, "seq": seq, "tool": tool,
                                 "args": canonical_args(args), "effect": effect, "status": "running",
                                 "result": None, "created_at": time.time(), "finished_at": None})
 
     def finish_call(self, call_id: str, status: str, result: dict[str, Any]) -> None:
         with self.transaction() as db:
-            db["calls"].update(call_id, {"status": status, "result": json.dumps(result),
+            db.table("calls").update(call_id, {"status": status, "result": json.dumps(result),
                                          "finished_at": time.time()})
 
     def interrupt_running_calls(self) -> list[str]:
@@ -134,27 +134,27 @@ class StateStore:
 
     def calls(self, session_id: str) -> list[dict[str, Any]]:
         with self.lock:
-            return list(self.db["calls"].rows_where("session_id = ?", [session_id], order_by="seq"))
+            return list(self.db.table("calls").rows_where("session_id = ?", [session_id], order_by="seq"))
 
     # Snapshots ---------------------------------------------------------------------------------
 
     def add_snapshot(self, row: dict[str, Any]) -> None:
         with self.transaction() as db:
-            db["snapshots"].insert(row)
+            db.table("snapshots").insert(row)
 
     def snapshot(self, snapshot_id: str) -> dict[str, Any] | None:
         with self.lock:
-            rows = list(self.db["snapshots"].rows_where("snapshot_id = ?", [snapshot_id]))
+            rows = list(self.db.table("snapshots").rows_where("snapshot_id = ?", [snapshot_id]))
         return rows[0] if rows else None
 
     def snapshots(self, session_id: str) -> list[dict[str, Any]]:
         with self.lock:
-            return list(self.db["snapshots"].rows_where("session_id = ?", [session_id],
+            return list(self.db.table("snapshots").rows_where("session_id = ?", [session_id],
                                                         order_by="created_at, snapshot_id"))
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         with self.transaction() as db:
-            db["snapshots"].delete(snapshot_id)
+            db.table("snapshots").delete(snapshot_id)
 
     def delete_snapshots_of(self, session_id: str) -> None:
         with self.transaction():

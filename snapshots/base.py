@@ -9,6 +9,7 @@ a backend swap what `ws/` is (a new overlay mount, a fresh directory) without to
 from __future__ import annotations
 
 import abc
+import builtins
 import json
 import os
 import re
@@ -101,7 +102,7 @@ class SnapshotStore(abc.ABC):
         """Forget one snapshot and free whatever only it was holding."""
 
     @abc.abstractmethod
-    def list(self, workspace: str) -> list[SnapshotRecord]:
+    def list(self, workspace: str) -> builtins.list[SnapshotRecord]:
         """Snapshots of a workspace, oldest first."""
 
     @abc.abstractmethod
@@ -113,8 +114,8 @@ class SnapshotStore(abc.ABC):
         """Bring a workspace back to a usable state after a crash or a reboot."""
 
     @abc.abstractmethod
-    def workspaces(self) -> list[str]:
+    def workspaces(self) -> builtins.list[str]:
         """Every workspace this store holds on disk."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook, most backends set nothing up
         """Undo host-level set-up (mounts) once no workspace is left; a no-op by default."""

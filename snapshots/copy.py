@@ -7,6 +7,7 @@ workspace, so the overlay backend is the default wherever it works.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import shutil
@@ -86,7 +87,7 @@ class CopySnapshotStore(SnapshotStore):
         shutil.rmtree(source)
         source.with_name(snapshot_id + ".json").unlink(missing_ok=True)
 
-    def list(self, workspace: str) -> list[SnapshotRecord]:
+    def list(self, workspace: str) -> builtins.list[SnapshotRecord]:
         records = []
         for meta in self._dir(workspace).glob("*.json"):
             with open(meta) as fh:
@@ -108,7 +109,7 @@ class CopySnapshotStore(SnapshotStore):
                 meta.unlink()
         self._ws(workspace).mkdir(parents=True, exist_ok=True)
 
-    def workspaces(self) -> list[str]:
+    def workspaces(self) -> builtins.list[str]:
         return sorted(p.name for p in self.copies.iterdir() if p.is_dir())
 
     def _existing(self, workspace: str, snapshot_id: str) -> Path:

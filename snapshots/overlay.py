@@ -20,6 +20,7 @@ upper directories (ext4, xfs, tmpfs).
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import json
 import os
@@ -166,7 +167,7 @@ class OverlaySnapshotStore(SnapshotStore):
         (self._records(workspace) / f"{snapshot_id}.json").unlink()
         self._collect_layers(workspace)
 
-    def list(self, workspace: str) -> list[SnapshotRecord]:
+    def list(self, workspace: str) -> builtins.list[SnapshotRecord]:
         records = [self._load(p) for p in self._records(workspace).glob("*.json")]
         return sorted((r for r in records if (self._dir(workspace) / r.layers[0]).exists()),
                       key=lambda r: (r.created_at, r.snapshot_id))
@@ -176,7 +177,7 @@ class OverlaySnapshotStore(SnapshotStore):
         shutil.rmtree(self.mount_root(workspace), ignore_errors=True)
         shutil.rmtree(self._dir(workspace), ignore_errors=True)
 
-    def workspaces(self) -> list[str]:
+    def workspaces(self) -> builtins.list[str]:
         return sorted(p.name for p in self.layers.iterdir() if p.is_dir())
 
     def release(self) -> None:
@@ -219,7 +220,7 @@ class OverlaySnapshotStore(SnapshotStore):
         if "shared:" not in tags:
             _mount("none", point, None, _MS_SHARED | _MS_REC, None)
 
-    def _stack(self, workspace: str) -> list[str]:
+    def _stack(self, workspace: str) -> builtins.list[str]:
         with open(self._dir(workspace) / "stack.json") as fh:
             return list(json.load(fh))
 
@@ -237,15 +238,15 @@ class OverlaySnapshotStore(SnapshotStore):
         return SnapshotRecord(snapshot_id=raw["snapshot_id"], workspace=raw["workspace"],
                               created_at=raw["created_at"], layers=tuple(raw["layers"]))
 
-    def _options(self, workspace: str, stack: list[str]) -> str:
+    def _options(self, workspace: str, stack: builtins.list[str]) -> str:
         d = self._dir(workspace)
         lower = ":".join(str(d / layer) for layer in stack)
         return f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
 
-    def _too_deep(self, workspace: str, stack: list[str]) -> bool:
+    def _too_deep(self, workspace: str, stack: builtins.list[str]) -> bool:
         return len(stack) > self.max_layers or len(self._options(workspace, stack)) > _MAX_OPTIONS
 
-    def _mount_stack(self, workspace: str, stack: list[str]) -> None:
+    def _mount_stack(self, workspace: str, stack: builtins.list[str]) -> None:
         _mount("overlay", str(self._ws(workspace)), "overlay", 0, self._options(workspace, stack))
 
     def _fresh_upper(self, workspace: str, top: str) -> None:

@@ -17,10 +17,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import docker
 import docker.errors
 from docker.types import Mount, Ulimit
 
+import docker
 from sandboxd.config import DaemonConfig
 from sandboxd.errors import SandboxUnavailable
 from sandboxd.sandbox.channel import ExecutorChannel

@@ -6,98 +6,21 @@ any container it labelled and unmounts what its snapshot store mounted, so nothi
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import docker
 import pytest
 
-from sandboxd.client import Client, DaemonUnreachable
-from sandboxd.sandbox.containers import LABEL_INSTANCE
+import docker
+from sandboxd.client import Client
+from sandboxd.launcher import DaemonProcess
+
+__all__ = ["DaemonProcess", "tree_listing_code"]
 
 pytestmark = pytest.mark.docker
-
-
-class DaemonProcess:
-    """A `sandboxd serve` subprocess that tests can kill -9 and start again on the same state."""
-
-    def __init__(self, state_dir: Path, extra_args: list[str] | None = None) -> None:
-        self.state_dir = state_dir
-        self.endpoint = f"ipc://{state_dir / 'sandboxd.sock'}"
-        self.extra_args = extra_args or []
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = state_dir.parent / "daemon.stderr"
-        self.clients: list[Client] = []
-
-    def start(self) -> None:
-        with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sandboxd.cli", "serve", "--state-dir", str(self.state_dir),
-                 *self.extra_args],
-                stdout=subprocess.DEVNULL, stderr=err,
-            )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                with Client(self.endpoint, timeout_s=0.5) as probe:
-                    probe.health()
-                return
-            except DaemonUnreachable:
-                continue
-        raise RuntimeError(f"daemon did not answer within 30 s: {self.log.read_text()[-2000:]}")
-
-    def client(self, timeout_s: float = 120.0) -> Client:
-        client = Client(self.endpoint, timeout_s=timeout_s)
-        self.clients.append(client)
-        return client
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=30)
-        for client in self.clients:
-            client.close()
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-    @property
-    def instance(self) -> str:
-        return hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:16]
-
-
-def _mounts_under(root: Path) -> list[str]:
-    with open("/proc/self/mountinfo") as fh:
-        points = [line.split()[4] for line in fh]
-    return sorted((p for p in points if p.startswith(str(root))), key=len, reverse=True)
-
-
-def cleanup_daemon(daemon: DaemonProcess) -> None:
-    """Close sessions politely, then remove whatever is left by force."""
-    if daemon.proc is not None and daemon.proc.poll() is None:
-        try:
-            with Client(daemon.endpoint, timeout_s=30) as client:
-                for session in client.sessions():
-                    client.close_session(session.session_id)
-        except Exception as exc:  # teardown must go on; the forced cleanup below catches the rest
-            print(f"teardown: polite close failed: {exc}", file=sys.stderr)
-    daemon.kill(signal.SIGTERM)
-    engine = docker.from_env()
-    for container in engine.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={daemon.instance}"}):
-        container.remove(force=True, v=True)
-    for point in _mounts_under(daemon.state_dir):
-        subprocess.run(["umount", "-l", point], check=False)
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +31,7 @@ def engine() -> docker.DockerClient:
 
 
 @pytest.fixture
-def daemon_factory(engine: docker.DockerClient) -> Iterator[type[DaemonProcess]]:
+def daemon_factory(engine: docker.DockerClient) -> Iterator[Callable[..., DaemonProcess]]:
     """Start daemons on fresh state directories; all are cleaned up after the test."""
     made: list[tuple[DaemonProcess, Path]] = []
 
@@ -119,14 +42,14 @@ def daemon_factory(engine: docker.DockerClient) -> Iterator[type[DaemonProcess]]
         daemon.start()
         return daemon
 
-    yield make  # type: ignore[misc]
+    yield make
     for daemon, tmp in made:
-        cleanup_daemon(daemon)
+        daemon.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture
-def daemon(daemon_factory) -> DaemonProcess:  # type: ignore[no-untyped-def]
+def daemon(daemon_factory: Callable[..., DaemonProcess]) -> DaemonProcess:
     return daemon_factory()
 
 

@@ -6,9 +6,9 @@ import json
 import socket
 import threading
 
-import docker
 import pytest
 
+import docker
 from sandboxd.client import Client, RemoteError
 from tests.integration.conftest import DaemonProcess
 
@@ -52,8 +52,8 @@ def test_no_network(client: Client, session: str) -> None:
     try:
         interfaces = shell(client, session, "ls /sys/class/net").split()
         assert interfaces == ["lo"]
-        code = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', %d), timeout=2)\n"
-                "    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n") % port
+        code = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                "    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n")
         out = client.call(session, "python", {"code": code}).stdout
         assert out.startswith("refused"), out
         assert accepted == []
@@ -166,7 +166,8 @@ def test_two_sessions_cannot_see_each_others_files(client: Client) -> None:
     shell(client, a, "echo top-secret-a > secret-a.txt")
     found = shell(client, b, "find / -xdev -name 'secret-a*' 2>/dev/null; ls -a /sandbox; ls /workspace")
     assert "secret-a" not in found
-    assert client.call(b, "shell", {"command": "grep -rs --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev top-secret-a / ; true"}).stdout == ""
+    search = "grep -rs --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev top-secret-a / ; true"
+    assert client.call(b, "shell", {"command": search}).stdout == ""
 
 
 def test_closing_a_session_leaves_nothing_behind(daemon: DaemonProcess, client: Client,

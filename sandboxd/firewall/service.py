@@ -1,0 +1,583 @@
+"""`Firewall`: the facade the daemon calls, from worker threads, for every `external` (and HTTP read) tool.
+
+Call identity. The ledger id of a call is `derive_call_id(lineage, tool, intent key, k)`, where k is
+the occurrence index of that intent in the caller's *branch* of the lineage. The firewall keeps the
+counters itself (persisted in `ledger_reached`), so callers never pass k:
+- no agent call id: each call is a new occurrence, so two identical sends are two calls;
+- a new agent call id: also a new occurrence, and the id is remembered as an alias of the call;
+- an agent call id already used in this branch: a retry of that call, never a new occurrence; a
+  different intent under it is `CALL_ID_CONFLICT`.
+
+Replay branches. Live calls count in the lineage's live branch. `begin_replay(lineage)` opens a replay
+branch whose counters start from zero (or, with `from_turn`, inherit the calls of earlier turns, which
+the replay does not re-run); shadow-mode calls count there. Because k restarts, the replay's k-th
+identical intent derives the same id as the original's, so it is answered from the ledger instead of
+firing. `finish_replay(branch, commit=True)` makes the replay the live branch and marks the original's
+fired calls it never reached `orphaned`; `commit=False` discards what the replay staged.
+
+Timeouts. A timeout before the request left (connect) leaves the call `failed`, free to retry; a
+timeout after it left leaves it `unknown`, because the far side may have acted on it: honest beats
+optimistic when the effect is an email or a payment. Either way the caller gets `ADAPTER_TIMEOUT`.
+
+Rejected approaches, so nobody retries them: keying the ledger on the agent's call id (a replay
+re-decodes calls under fresh ids and would fire everything again); keeping occurrence counters in
+memory (a restart would reset k, and the next legitimately identical send would be answered from the
+first one's record instead of being sent); holding the lock across the adapter call (one slow SMTP
+server would stall every session's tools).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+import msgspec
+import sqlite_utils
+
+from sandboxd.errors import (
+    AdapterTimeout,
+    BranchStateError,
+    CallIdConflict,
+    CallUnknown,
+    EffectFailed,
+    InvalidArguments,
+    InvalidState,
+    SandboxdError,
+    UnknownTool,
+)
+from sandboxd.firewall.adapters import EffectAdapter, EffectNotDelivered, EffectOutcomeUnknown, build_adapters
+from sandboxd.firewall.config import FirewallConfig
+from sandboxd.firewall.intent import derive_call_id, intent_key
+from sandboxd.firewall.ledger import IN_FLIGHT_STATES, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
+from sandboxd.protocol import ToolManifest
+
+Mode = Literal["live", "shadow"]
+
+
+class FirewallResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What one external call came to: fired, answered from the ledger, held or shadowed."""
+
+    call_id: str
+    tool: str
+    state: str
+    result: dict[str, Any] | None = None
+    deduplicated: bool = False
+    shadowed: bool = False
+    held: bool = False
+    occurrence: int | None = None
+    agent_call_id: str | None = None
+    error_code: str | None = None
+    error: str | None = None
+
+
+class ReplayReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What finishing a replay branch did to the calls of the branch it replaced."""
+
+    branch: str
+    lineage: str
+    committed: bool
+    orphaned: list[str] = []
+    """Fired in the replaced branch, never reached by the replay: they need compensation."""
+    dropped: list[str] = []
+    """Held in the replaced branch, never reached: they never fired and now never will."""
+    unresolved: list[str] = []
+    """Unknown in the replaced branch, never reached: resolve them, they may have fired."""
+    staged: list[str] = []
+    """Staged by the replay: waiting for `release` (committed) or now `shadowed` (abandoned)."""
+
+
+class FirewallStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Counters since this process started, and how many ledger calls sit in each state."""
+
+    counters: dict[str, int]
+    states: dict[str, int]
+
+
+@dataclass(frozen=True)
+class _Ask:
+    session_id: str
+    lineage: str
+    tool: str
+    args: dict[str, Any]
+    key: str
+    intent: Any
+    agent_call_id: str | None
+    mode: Mode
+    turn: int | None
+    policy: str
+
+
+@dataclass(frozen=True)
+class _Plan:
+    action: Literal["fire", "answer", "held", "hold", "stage", "refuse"]
+    record: CallRecord
+    error: SandboxdError | None = None
+
+
+_RETRYABLE: tuple[CallState, ...] = ("failed", "dropped", "shadowed")
+_COUNTER_OF_ACTION = {"answer": "deduplicated", "held": "deduplicated", "hold": "held", "stage": "shadowed"}
+
+
+class Firewall:
+    """Thread-safe facade over the adapters and the ledger."""
+
+    def __init__(
+        self,
+        config: FirewallConfig,
+        db: sqlite_utils.Database,
+        lock: threading.RLock,
+        *,
+        clock: Callable[[], float] = time.time,
+        adapters: Sequence[EffectAdapter] | None = None,
+    ) -> None:
+        if adapters is None:
+            built, self._senders = build_adapters(
+                config.smtp, config.http, config.webhook, config.adapter_timeout_s
+            )
+        else:
+            built, self._senders = list(adapters), []
+        self._config = config
+        self._adapters = {adapter.manifest.name: adapter for adapter in built}
+        for tool in config.release:
+            if tool not in self._adapters or self._adapters[tool].manifest.effect != "external":
+                raise ValueError(f"release policy for {tool!r}, which is not an enabled external tool")
+        self._validators = {
+            name: jsonschema.Draft202012Validator(adapter.manifest.parameters)
+            for name, adapter in self._adapters.items()
+        }
+        self._lock = lock
+        self._ledger = Ledger(db, lock, clock)
+        self._in_flight: set[str] = set()  # ids this process is firing right now; guarded by `lock`
+        self._counts: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+
+    @property
+    def ledger(self) -> Ledger:
+        """The underlying ledger (for operator views and tests)."""
+        return self._ledger
+
+    def manifests(self) -> list[ToolManifest]:
+        """Manifests of every tool the firewall serves."""
+        return [adapter.manifest for adapter in self._adapters.values()]
+
+    def close(self) -> None:
+        """Close the adapters' network clients."""
+        for adapter in self._adapters.values():
+            adapter.close()
+        for sender in self._senders:
+            sender.close()
+
+    # Calls ------------------------------------------------------------------------------------
+
+    def call(
+        self,
+        session_id: str,
+        lineage: str,
+        tool: str,
+        args: dict[str, Any],
+        call_id: str | None = None,
+        mode: Mode = "live",
+        turn: int | None = None,
+    ) -> FirewallResult:
+        """Run one call through the firewall: validate, record, then fire, answer, hold or shadow it."""
+        try:
+            adapter = self._adapter(tool)
+            self._check_args(adapter, args)
+            if adapter.manifest.effect != "external":
+                return self._read(adapter, args, call_id)
+            ask = self._ask(adapter, session_id, lineage, args, call_id, mode, turn)
+            return self._carry_out(self._plan(ask), adapter, ask)
+        except SandboxdError as exc:
+            self._count(f"error.{exc.code.value}")
+            raise
+
+    def _adapter(self, tool: str) -> EffectAdapter:
+        adapter = self._adapters.get(tool)
+        if adapter is None:
+            raise UnknownTool(tool, sorted(self._adapters))
+        return adapter
+
+    def _check_args(self, adapter: EffectAdapter, args: dict[str, Any]) -> None:
+        validator = self._validators[adapter.manifest.name]
+        error = jsonschema.exceptions.best_match(validator.iter_errors(args))
+        if error is not None:
+            raise InvalidArguments(adapter.manifest.name, error.message, error.json_path)
+        adapter.validate(args)
+
+    def _ask(
+        self,
+        adapter: EffectAdapter,
+        session_id: str,
+        lineage: str,
+        args: dict[str, Any],
+        call_id: str | None,
+        mode: Mode,
+        turn: int | None,
+    ) -> _Ask:
+        tool = adapter.manifest.name
+        if mode not in ("live", "shadow"):
+            raise InvalidArguments(tool, f"mode must be live or shadow, not {mode!r}", "mode")
+        policy = self._config.policy(tool) if mode == "live" else "shadow"
+        if policy == "on_commit" and turn is None:
+            raise InvalidArguments(tool, "an on_commit tool needs the turn the call belongs to", "turn")
+        try:
+            key, canonical = intent_key(tool, adapter.intent(args))
+        except ValueError as exc:
+            raise InvalidArguments(tool, f"intent has no canonical form: {exc}") from exc
+        # json, not msgspec: big integers must survive the round trip exactly.
+        return _Ask(session_id, lineage, tool, args, key, json.loads(canonical), call_id, mode, turn, policy)
+
+    def _plan(self, ask: _Ask) -> _Plan:
+        """Decide, in one durable transaction, what this call is and what happens to it."""
+        with self._ledger.transaction():
+            branch = self._branch_for(ask.lineage, ask.mode)
+            record, is_new = self._identify(ask, branch)
+            plan = self._decide(ask, branch, record, is_new)
+            if plan.action == "fire":
+                self._in_flight.add(record.call_id)
+            fresh = self._ledger.get(record.call_id)
+            return _Plan(plan.action, fresh or record, plan.error)
+
+    def _identify(self, ask: _Ask, branch: str) -> tuple[CallRecord, bool]:
+        """The ledger call this ask names; marks a new occurrence reached in `branch`."""
+        if ask.agent_call_id is not None:
+            known = self._ledger.alias(branch, ask.agent_call_id)
+            if known is not None:
+                record = self._ledger.get(known)
+                assert record is not None, f"alias {ask.agent_call_id} points at missing call {known}"
+                if record.intent_key != ask.key:
+                    raise CallIdConflict(
+                        ask.agent_call_id, f"for a different intent ({record.tool} {record.intent})"
+                    )
+                self._count("retries")
+                return record, False
+        occurrence = self._ledger.next_occurrence(branch, ask.key)
+        call_id = derive_call_id(ask.lineage, ask.tool, ask.key, occurrence)
+        existing = self._ledger.get(call_id)
+        record = existing or CallRecord(
+            call_id=call_id,
+            tool=ask.tool,
+            state="intent",
+            session_id=ask.session_id,
+            lineage=ask.lineage,
+            branch=branch,
+            occurrence=occurrence,
+            intent_key=ask.key,
+            intent=ask.intent,
+            args=ask.args,
+            policy=ask.policy,
+            turn=ask.turn,
+        )
+        self._ledger.mark_reached(branch, record, ask.session_id, ask.turn, ask.agent_call_id)
+        return record, existing is None
+
+    def _decide(self, ask: _Ask, branch: str, record: CallRecord, is_new: bool) -> _Plan:
+        call_id, state = record.call_id, record.state
+        if not is_new:
+            if state in ("done", "orphaned"):
+                if state == "orphaned":
+                    self._ledger.transition(call_id, "done", ("orphaned",), note="reached again")
+                return _Plan("answer", record)
+            if state == "staged":
+                return _Plan("held", record)
+            if state == "unknown":
+                return _Plan("refuse", record, CallUnknown(call_id))
+            if state in IN_FLIGHT_STATES:
+                return self._in_flight_plan(record)
+        # New, or it certainly never happened (failed, dropped, shadowed): apply the policy afresh.
+        target: CallState = "intent" if ask.policy == "immediate" else "staged"
+        if is_new:
+            self._ledger.insert_call(msgspec.structs.replace(record, state=target, policy=ask.policy))
+        else:
+            self._ledger.transition(call_id, target, _RETRYABLE, note="reached again", policy=ask.policy)
+        if target == "intent":
+            return _Plan("fire", record)
+        self._ledger.hold(record, branch, ask.session_id, ask.turn, _hold_policy(ask.policy))
+        return _Plan("stage" if ask.policy == "shadow" else "hold", record)
+
+    def _in_flight_plan(self, record: CallRecord) -> _Plan:
+        if record.call_id in self._in_flight:
+            error = InvalidState(record.call_id, record.state, "done", "another request is firing it now")
+            return _Plan("refuse", record, error)
+        # Left in flight by a process that is gone (recover() was not run): it may have fired.
+        self._ledger.transition(
+            record.call_id, "unknown", IN_FLIGHT_STATES, note="found in flight with no owner"
+        )
+        self._ledger.set_recovered_from(record.call_id, record.state)
+        self._count("recovered")
+        return _Plan("refuse", record, CallUnknown(record.call_id))
+
+    def _carry_out(self, plan: _Plan, adapter: EffectAdapter, ask: _Ask) -> FirewallResult:
+        record = plan.record
+        if plan.action == "refuse":
+            assert plan.error is not None
+            raise plan.error
+        if plan.action == "fire":
+            return self._fire(record, adapter, ask.args, "intent", ask.agent_call_id)
+        self._count(_COUNTER_OF_ACTION[plan.action])
+        if plan.action in ("hold", "stage"):
+            self._count("staged")
+        held = plan.action in ("held", "hold") and record.policy != "shadow"
+        shadowed = plan.action == "stage" or (plan.action == "held" and record.policy == "shadow")
+        return FirewallResult(
+            call_id=record.call_id,
+            tool=record.tool,
+            state=record.state,
+            result=record.result if plan.action == "answer" else _hold_payload(record),
+            deduplicated=plan.action in ("answer", "held"),
+            shadowed=shadowed,
+            held=held,
+            occurrence=record.occurrence,
+            agent_call_id=ask.agent_call_id,
+        )
+
+    def _fire(
+        self,
+        record: CallRecord,
+        adapter: EffectAdapter,
+        args: dict[str, Any],
+        from_state: CallState,
+        agent_call_id: str | None = None,
+    ) -> FirewallResult:
+        """Fire an effect whose intent is already durable; settle it as done, failed or unknown."""
+        call_id = record.call_id
+        try:
+            # `fired` marks the hand-off; recovery treats it like `intent`, but an operator reading
+            # the ledger learns that the adapter was reached.
+            with self._ledger.transaction():
+                self._ledger.transition(call_id, "fired", (from_state,), count_attempt=True)
+            try:
+                result = adapter.fire(args, call_id)
+            except (EffectNotDelivered, EffectOutcomeUnknown) as exc:
+                state: CallState = "failed" if isinstance(exc, EffectNotDelivered) else "unknown"
+                self._settle(call_id, state, error=exc.reason)
+                if exc.timed_out:
+                    raise AdapterTimeout(call_id, adapter.timeout_s, state) from exc
+                raise EffectFailed(call_id, exc.reason, state) from exc
+            except BaseException as exc:
+                # An adapter bug after the hand-off: it may have acted, so only `unknown` is honest.
+                self._settle(call_id, "unknown", error=f"adapter raised {type(exc).__name__}: {exc}")
+                raise
+            self._settle(call_id, "done", result=result)
+        finally:
+            with self._lock:
+                self._in_flight.discard(call_id)
+        self._count("fired")
+        return FirewallResult(
+            call_id=call_id,
+            tool=record.tool,
+            state="done",
+            result=result,
+            occurrence=record.occurrence,
+            agent_call_id=agent_call_id,
+        )
+
+    def _settle(
+        self, call_id: str, state: CallState, result: dict[str, Any] | None = None, error: str | None = None
+    ) -> None:
+        with self._ledger.transaction():
+            self._ledger.transition(call_id, state, ("fired",), result=result, error=error)
+        self._count(state)
+
+    def _read(self, adapter: EffectAdapter, args: dict[str, Any], call_id: str | None) -> FirewallResult:
+        """Reads are not ledgered: a replay re-executes them (the allowlist was checked already)."""
+        tool = adapter.manifest.name
+        read_id = call_id or "rd-" + intent_key(tool, adapter.intent(args))[0][:24]
+        try:
+            result = adapter.fire(args, read_id)
+        except (EffectNotDelivered, EffectOutcomeUnknown) as exc:
+            self._count("read_errors")
+            if exc.timed_out:
+                raise AdapterTimeout(read_id, adapter.timeout_s, "failed") from exc
+            raise EffectFailed(read_id, exc.reason) from exc
+        self._count("reads")
+        return FirewallResult(call_id=read_id, tool=tool, state="done", result=result, agent_call_id=call_id)
+
+    # Held effects and operators ------------------------------------------------------------------
+
+    def commit(self, session_id: str, turn: int) -> list[FirewallResult]:
+        """Fire every effect held for this committed turn; failures are reported in the results."""
+        results = []
+        for held in self._ledger.held(session_id=session_id, turn=turn, policy="on_commit"):
+            try:
+                results.append(self.release(held.call_id))
+            except SandboxdError as exc:
+                record = self._ledger.get(held.call_id)
+                results.append(
+                    FirewallResult(
+                        call_id=held.call_id,
+                        tool=held.tool,
+                        state=record.state if record else "absent",
+                        error_code=exc.code.value,
+                        error=exc.message,
+                    )
+                )
+        return results
+
+    def drop_turn(self, session_id: str, turn: int) -> list[str]:
+        """Drop every effect held for a turn that was revoked before it committed; returns their ids."""
+        with self._ledger.transaction():
+            held = self._ledger.held(session_id=session_id, turn=turn, policy="on_commit")
+            for effect in held:
+                self._drop(effect.call_id, f"turn {turn} of {session_id} dropped")
+        return [effect.call_id for effect in held]
+
+    def release(self, call_id: str) -> FirewallResult:
+        """Fire a staged (held or replay-staged) effect now."""
+        with self._ledger.transaction():
+            record = self._ledger.get(call_id)
+            self._ledger.transition(call_id, "released", ("staged",), note="released")
+            self._ledger.unhold(call_id)
+            self._in_flight.add(call_id)
+        assert record is not None
+        self._count("released")
+        return self._fire(record, self._adapter(record.tool), record.args, "released")
+
+    def drop(self, call_id: str) -> None:
+        """Discard a staged effect without firing it."""
+        with self._ledger.transaction():
+            self._drop(call_id, "dropped by operator")
+
+    def _drop(self, call_id: str, note: str) -> None:
+        self._ledger.transition(call_id, "dropped", ("staged",), note=note)
+        self._ledger.unhold(call_id)
+        self._count("dropped")
+
+    def resolve(
+        self, call_id: str, outcome: Literal["done", "failed"], result: dict[str, Any] | None = None
+    ) -> CallRecord:
+        """Settle an `unknown` call by an operator's word: it did happen (done) or did not (failed)."""
+        if outcome not in ("done", "failed"):
+            raise InvalidArguments("resolve", f"outcome must be done or failed, not {outcome!r}", "$.outcome")
+        with self._ledger.transaction():
+            note = "resolved by operator"
+            self._ledger.transition(call_id, outcome, ("unknown",), note=note, result=result, error=None)
+            record = self._ledger.get(call_id)
+        self._count("resolved")
+        assert record is not None
+        return record
+
+    def recover(self) -> list[str]:
+        """At daemon start: turn every call left between intent and result into `unknown`; returns ids."""
+        turned: list[str] = []
+        with self._ledger.transaction():
+            for record in self._ledger.in_states(IN_FLIGHT_STATES):
+                if record.call_id in self._in_flight:
+                    continue
+                self._ledger.transition(
+                    record.call_id, "unknown", IN_FLIGHT_STATES, note=f"found {record.state} at recovery"
+                )
+                self._ledger.set_recovered_from(record.call_id, record.state)
+                turned.append(record.call_id)
+        self._count("recovered", len(turned))
+        return turned
+
+    def calls(self, session_id: str) -> list[CallRecord]:
+        """Every external call the session reached, oldest first."""
+        return self._ledger.calls_of_session(session_id)
+
+    def outbox(self, session_id: str | None = None) -> list[HeldEffect]:
+        """Effects waiting for a commit, an operator, or a replay decision."""
+        return self._ledger.held(session_id=session_id)
+
+    def stats(self) -> FirewallStats:
+        """Counters since start and the ledger's calls per state."""
+        with self._counts_lock:
+            counters = dict(self._counts)
+        return FirewallStats(counters=counters, states=self._ledger.count_by_state())
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] += n
+
+    # Replay branches ------------------------------------------------------------------------------
+
+    def _branch_for(self, lineage: str, mode: Mode) -> str:
+        if mode == "live":
+            return self._live_branch(lineage)
+        replay = self._ledger.branch_with_status(lineage, "replay")
+        if replay is None:
+            raise BranchStateError(lineage, None, "shadow mode needs an open replay: call begin_replay first")
+        return replay.branch
+
+    def _live_branch(self, lineage: str) -> str:
+        live = self._ledger.branch_with_status(lineage, "live")
+        return live.branch if live else self._ledger.create_branch(lineage, None, "live", None)
+
+    def begin_replay(self, lineage: str, from_turn: int | None = None) -> str:
+        """Open a replay branch of the lineage's live branch; shadow calls count there. Returns its id."""
+        with self._ledger.transaction():
+            open_replay = self._ledger.branch_with_status(lineage, "replay")
+            if open_replay is not None:
+                raise BranchStateError(
+                    lineage, open_replay.branch, f"replay {open_replay.branch} is still open"
+                )
+            parent = self._live_branch(lineage)
+            branch = self._ledger.create_branch(lineage, parent, "replay", from_turn)
+            if from_turn is not None:
+                # Turns before the splice point are not replayed, so their calls count as reached.
+                self._ledger.inherit_prefix(parent, branch, from_turn)
+        return branch
+
+    def finish_replay(self, branch: str, commit: bool) -> ReplayReport:
+        """Commit a replay branch (it becomes live; unreached fired calls are orphaned) or abandon it."""
+        with self._ledger.transaction():
+            info = self._ledger.branch(branch)
+            if info is None or info.status != "replay" or info.parent is None:
+                status = info.status if info else "absent"
+                raise BranchStateError(info.lineage if info else "?", branch, f"branch {branch} is {status}")
+            staged = [held.call_id for held in self._ledger.held(branch=branch, policy="shadow")]
+            report = ReplayReport(branch=branch, lineage=info.lineage, committed=commit, staged=staged)
+            if commit:
+                self._supersede(info.parent, branch, report)
+            else:
+                for call_id in staged:
+                    self._ledger.transition(call_id, "shadowed", ("staged",), note="replay abandoned")
+                    self._ledger.unhold(call_id)
+                self._ledger.set_branch_status(branch, "abandoned")
+        self._count("orphaned", len(report.orphaned))
+        return report
+
+    def _supersede(self, parent: str, branch: str, report: ReplayReport) -> None:
+        for record in self._ledger.unreached(parent, branch, ("done",)):
+            self._ledger.transition(record.call_id, "orphaned", ("done",), note=f"not reached by {branch}")
+            report.orphaned.append(record.call_id)
+        for record in self._ledger.unreached(parent, branch, ("staged",)):
+            self._drop(record.call_id, f"not reached by {branch}")
+            report.dropped.append(record.call_id)
+        report.unresolved.extend(r.call_id for r in self._ledger.unreached(parent, branch, ("unknown",)))
+        self._ledger.set_branch_status(parent, "superseded")
+        self._ledger.set_branch_status(branch, "live")
+
+    def orphans(self, lineage: str, branch: str) -> list[str]:
+        """Fired calls of the branch `branch` replays that it has not reached (orphaned once committed)."""
+        info = self._ledger.branch(branch)
+        if info is None or info.lineage != lineage:
+            raise BranchStateError(lineage, branch, f"no branch {branch} in this lineage")
+        if info.parent is None:
+            return []
+        states: tuple[CallState, ...] = ("done",) if info.status == "replay" else ("orphaned",)
+        return [record.call_id for record in self._ledger.unreached(info.parent, branch, states)]
+
+
+def _hold_policy(policy: str) -> HoldPolicy:
+    if policy not in ("on_commit", "manual", "shadow"):
+        raise AssertionError(f"policy {policy!r} does not hold effects")
+    return policy  # type: ignore[return-value]
+
+
+def _hold_payload(record: CallRecord) -> dict[str, Any]:
+    """What the agent sees for an effect that did not fire (yet)."""
+    if record.policy == "shadow":
+        why = "not sent: the call ran in shadow mode during a replay; an operator may release it"
+        return {"status": "shadowed", "call_id": record.call_id, "message": why}
+    why = (
+        "held until this turn is committed" if record.policy == "on_commit" else "held for operator approval"
+    )
+    return {"status": "held", "policy": record.policy, "call_id": record.call_id, "message": why}

@@ -1,0 +1,99 @@
+"""The wire contract: every message round-trips; every kind of malformed frame gets its own code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from sandboxd import protocol as p
+from sandboxd.errors import ErrorCode, ProtocolError
+
+MANIFEST = p.ToolManifest(name="shell", description="d", parameters={"type": "object"}, effect="write")
+SESSION = p.SessionInfo(session_id="s-1", image="img", state="open", created_at=1.5, container="abc")
+SNAPSHOT = p.SnapshotInfo(snapshot_id="snap-1", session_id="s-1", created_at=2.0, label="l", layers=3)
+RESULT = p.CallResult(call_id="c-1", tool="shell", exit_code=0, stdout="out", stderr="", replayed=True)
+
+SAMPLES: list[Any] = [
+    p.HealthRequest(request_id="r"),
+    p.OpenSessionRequest(request_id="r", image="img"),
+    p.CloseSessionRequest(request_id="r", session_id="s-1"),
+    p.ListSessionsRequest(request_id="r", include_closed=True),
+    p.ListToolsRequest(request_id="r", session_id="s-1"),
+    p.CallRequest(request_id="r", session_id="s-1", tool="shell", args={"command": "ls", "n": [1, 2.5, None]},
+                  call_id="c-1", timeout_s=2.0, clock=1700000000.25),
+    p.SnapshotRequest(request_id="r", session_id="s-1", label="x"),
+    p.RestoreRequest(request_id="r", session_id="s-1", snapshot_id="snap-1"),
+    p.ListSnapshotsRequest(request_id="r", session_id="s-1"),
+    p.DeleteSnapshotRequest(request_id="r", session_id="s-1", snapshot_id="snap-1"),
+    p.HealthResponse(request_id="r", version="0.1", protocol=1, open_sessions=2, uptime_s=3.0),
+    p.OpenSessionResponse(request_id="r", session=SESSION),
+    p.CloseSessionResponse(request_id="r", session_id="s-1"),
+    p.ListSessionsResponse(request_id="r", sessions=[SESSION]),
+    p.ListToolsResponse(request_id="r", tools=[MANIFEST]),
+    p.CallResponse(request_id="r", result=RESULT),
+    p.SnapshotResponse(request_id="r", snapshot=SNAPSHOT),
+    p.RestoreResponse(request_id="r", session_id="s-1", snapshot_id="snap-1", elapsed_ms=1.0),
+    p.ListSnapshotsResponse(request_id="r", snapshots=[SNAPSHOT]),
+    p.DeleteSnapshotResponse(request_id="r", snapshot_id="snap-1"),
+    p.ErrorResponse(request_id="r", code="unknown_tool", message="m", details={"tool": "x"}),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    covered = {type(m).__name__ for m in SAMPLES}
+    assert covered == set(p.REQUEST_TYPES) | set(p.RESPONSE_TYPES)
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: Any) -> None:
+    frame = p.encode(message)
+    decode = p.decode_request if type(message).__name__ in p.REQUEST_TYPES else p.decode_response
+    assert decode(frame) == message
+
+
+def frame(**fields: Any) -> bytes:
+    return msgspec.msgpack.encode(fields)
+
+
+MALFORMED = [
+    (b"\xc1", ErrorCode.BAD_FRAME),
+    (b"", ErrorCode.BAD_FRAME),
+    (msgspec.msgpack.encode([1, 2]), ErrorCode.BAD_FRAME),
+    (msgspec.msgpack.encode("HealthRequest"), ErrorCode.BAD_FRAME),
+    (frame(request_id="r"), ErrorCode.UNKNOWN_TYPE),
+    (frame(type="DropTablesRequest", request_id="r"), ErrorCode.UNKNOWN_TYPE),
+    (frame(type=7, request_id="r"), ErrorCode.UNKNOWN_TYPE),
+    (frame(type="HealthResponse", request_id="r"), ErrorCode.UNKNOWN_TYPE),
+    (frame(type="HealthRequest"), ErrorCode.INVALID_FIELD),
+    (frame(type="CallRequest", request_id="r", session_id="s", tool="shell"), ErrorCode.INVALID_FIELD),
+    (frame(type="CallRequest", request_id="r", session_id=5, tool="shell", args={}), ErrorCode.INVALID_FIELD),
+    (frame(type="CallRequest", request_id="r", session_id="s", tool="t", args=[]), ErrorCode.INVALID_FIELD),
+    (frame(type="CallRequest", request_id="r", session_id="s", tool="t", args={}, timeout_s="1"),
+     ErrorCode.INVALID_FIELD),
+    (frame(type="HealthRequest", request_id="r", admin=True), ErrorCode.INVALID_FIELD),
+    (frame(type="HealthRequest", request_id=b"r"), ErrorCode.INVALID_FIELD),
+]
+
+
+@pytest.mark.parametrize(("data", "code"), MALFORMED)
+def test_malformed_frames_get_their_code(data: bytes, code: ErrorCode) -> None:
+    with pytest.raises(ProtocolError) as err:
+        p.decode_request(data)
+    assert err.value.code == code
+
+
+def test_oversized_frame() -> None:
+    big = p.encode(p.CallRequest(request_id="r", session_id="s", tool="t", args={"x": "a" * 5000}))
+    with pytest.raises(ProtocolError) as err:
+        p.decode_request(big, max_frame=4096)
+    assert err.value.code == ErrorCode.FRAME_TOO_LARGE
+    assert err.value.details == {"size": len(big), "limit": 4096}
+    assert p.decode_request(big, max_frame=len(big)).request_id == "r"
+
+
+def test_request_id_is_recovered_for_error_replies() -> None:
+    assert p.request_id_of(frame(type="Nope", request_id="abc")) == "abc"
+    assert p.request_id_of(b"\xc1") == ""
+    assert p.request_id_of(frame(request_id=3)) == ""
