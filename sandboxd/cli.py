@@ -100,6 +100,37 @@ def cmd_snapshots(args: argparse.Namespace, client: Client) -> None:
         [["SNAPSHOT", "LABEL", "LAYERS"]] + [[s.snapshot_id, s.label or "", str(s.layers)] for s in ss]))
 
 
+def cmd_calls(args: argparse.Namespace, client: Client) -> None:
+    if args.target == "resolve":
+        if not args.call or not args.outcome:
+            raise SystemExit("sandboxd calls resolve CALL --outcome done|failed")
+        _print(args, client.resolve(args.call, args.outcome), lambda c: f"{c.call_id} is now {c.state}")
+        return
+    calls = client.calls(args.target)
+    _print(args, calls, lambda cs: _table([["CALL", "TOOL", "EFFECT", "STATE", "TURN"]] + [
+        [c.call_id, c.tool, c.effect, c.state, "" if c.turn is None else str(c.turn)] for c in cs]))
+
+
+def cmd_outbox(args: argparse.Namespace, client: Client) -> None:
+    if args.target in ("release", "drop"):
+        if not args.call:
+            raise SystemExit(f"sandboxd outbox {args.target} CALL")
+        if args.target == "release":
+            _print(args, client.release(args.call), lambda r: f"released {r.call_id}: {r.state}")
+        else:
+            client.drop(args.call)
+            _print(args, {"dropped": args.call}, lambda d: f"dropped {d['dropped']}")
+        return
+    held = client.outbox(None if args.target == "all" else args.target)
+    _print(args, held, lambda hs: _table([["CALL", "SESSION", "TOOL", "POLICY", "TURN"]] + [
+        [h.call_id, h.session_id, h.tool, h.policy, "" if h.turn is None else str(h.turn)] for h in hs]))
+
+
+def cmd_commit(args: argparse.Namespace, client: Client) -> None:
+    released = client.commit_turn(args.session, args.turn)
+    _print(args, released, lambda rs: "\n".join(f"{r.call_id}: {r.state}" for r in rs) or "nothing held")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="sandboxd", description="Tool-execution firewall for LLM agents.")
     sub = top.add_subparsers(dest="command", required=True)
@@ -144,6 +175,16 @@ def parser() -> argparse.ArgumentParser:
     snaps = add("snapshots", cmd_snapshots, "list (or --delete) a session's snapshots")
     snaps.add_argument("session")
     snaps.add_argument("--delete", metavar="SNAPSHOT")
+    calls = add("calls", cmd_calls, "a session's calls (sandbox and external), or resolve an unknown one")
+    calls.add_argument("target", metavar="SESSION|resolve")
+    calls.add_argument("call", nargs="?", metavar="CALL")
+    calls.add_argument("--outcome", choices=["done", "failed"], help="with resolve: did the effect happen?")
+    outbox = add("outbox", cmd_outbox, "held external effects: list (SESSION or all), release CALL, drop CALL")
+    outbox.add_argument("target", metavar="SESSION|all|release|drop")
+    outbox.add_argument("call", nargs="?", metavar="CALL")
+    commit = add("commit", cmd_commit, "commit a turn: release the effects held for it")
+    commit.add_argument("session")
+    commit.add_argument("turn", type=int)
     return top
 
 

@@ -105,10 +105,52 @@ class Client:
         return self.request(req, p.ListToolsResponse).tools
 
     def call(self, session_id: str, tool: str, args: dict[str, Any], call_id: str | None = None,
-             timeout_s: float | None = None, clock: float | None = None) -> p.CallResult:
+             timeout_s: float | None = None, clock: float | None = None, mode: str = "live",
+             turn: int | None = None) -> p.CallResult:
         req = p.CallRequest(request_id=self._rid(), session_id=session_id, tool=tool, args=args,
-                            call_id=call_id, timeout_s=timeout_s, clock=clock)
+                            call_id=call_id, timeout_s=timeout_s, clock=clock, mode=mode,  # type: ignore[arg-type]
+                            turn=turn)
         return self.request(req, p.CallResponse).result
+
+    def commit_turn(self, session_id: str, turn: int) -> list[p.CallResult]:
+        """Release the effects held for a committed turn."""
+        req = p.CommitTurnRequest(request_id=self._rid(), session_id=session_id, turn=turn)
+        return self.request(req, p.CommitTurnResponse).released
+
+    def drop_turn(self, session_id: str, turn: int) -> list[str]:
+        """Drop the effects held for a turn that will never commit."""
+        req = p.DropTurnRequest(request_id=self._rid(), session_id=session_id, turn=turn)
+        return self.request(req, p.DropTurnResponse).dropped
+
+    def begin_replay(self, session_id: str, from_turn: int | None = None) -> str:
+        """Open a replay branch of the session's ledger; returns its id."""
+        req = p.BeginReplayRequest(request_id=self._rid(), session_id=session_id, from_turn=from_turn)
+        return self.request(req, p.BeginReplayResponse).branch
+
+    def finish_replay(self, session_id: str, branch: str, commit: bool) -> p.FinishReplayResponse:
+        """Commit or abandon a replay branch; the reply lists orphaned and staged effects."""
+        req = p.FinishReplayRequest(request_id=self._rid(), session_id=session_id, branch=branch, commit=commit)
+        return self.request(req, p.FinishReplayResponse)
+
+    def calls(self, session_id: str) -> list[p.LedgerCall]:
+        req = p.ListCallsRequest(request_id=self._rid(), session_id=session_id)
+        return self.request(req, p.ListCallsResponse).calls
+
+    def outbox(self, session_id: str | None = None) -> list[p.HeldCall]:
+        req = p.OutboxRequest(request_id=self._rid(), session_id=session_id)
+        return self.request(req, p.OutboxResponse).held
+
+    def release(self, call_id: str) -> p.CallResult:
+        req = p.ReleaseCallRequest(request_id=self._rid(), call_id=call_id)
+        return self.request(req, p.ReleaseCallResponse).result
+
+    def drop(self, call_id: str) -> None:
+        self.request(p.DropCallRequest(request_id=self._rid(), call_id=call_id), p.DropCallResponse)
+
+    def resolve(self, call_id: str, outcome: str, result: dict[str, Any] | None = None) -> p.LedgerCall:
+        req = p.ResolveCallRequest(request_id=self._rid(), call_id=call_id, outcome=outcome,  # type: ignore[arg-type]
+                                   result=result)
+        return self.request(req, p.ResolveCallResponse).call
 
     def snapshot(self, session_id: str, label: str | None = None) -> p.SnapshotInfo:
         req = p.SnapshotRequest(request_id=self._rid(), session_id=session_id, label=label)

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from sandboxd.firewall.config import FirewallConfig
 from sandboxd.protocol import DEFAULT_MAX_FRAME
 
 DEFAULT_IMAGE = "sandboxd-tool:bookworm"
@@ -77,6 +78,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 64
     sandbox: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
     tools: ToolLimits = msgspec.field(default_factory=ToolLimits)
+    firewall: Annotated[
+        FirewallConfig,
+        msgspec.Meta(description="Effect adapters of external tools and their release policies (none by default)."),
+    ] = msgspec.field(default_factory=FirewallConfig)
 
     @property
     def state_path(self) -> Path:
@@ -92,7 +97,7 @@ def load_config(path: Path | None = None, **overrides: object) -> DaemonConfig:
     raw.update({k: v for k, v in overrides.items() if v is not None})
     try:
         config = msgspec.convert(raw, DaemonConfig, strict=False)
-    except msgspec.ValidationError as exc:
+    except (msgspec.ValidationError, ValueError) as exc:
         raise ValueError(f"invalid configuration: {exc}") from exc
     if not config.state_dir:
         config.state_dir = str(default_state_dir())

@@ -69,7 +69,11 @@ class SnapshotInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CallResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """What a tool call produced. `replayed` is true when it was answered from the record."""
+    """What a tool call produced. `replayed` is true when it was answered from the record.
+
+    External tools fill `state` (the ledger state), `data` (the effect's recorded result) and the
+    firewall flags; their `stdout` is `data` as JSON so a model can read it like any observation.
+    """
 
     call_id: str
     tool: str
@@ -80,6 +84,41 @@ class CallResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stderr_truncated: bool = False
     duration_ms: float = 0.0
     replayed: bool = False
+    state: str = "done"
+    data: dict[str, Any] | None = None
+    deduplicated: bool = False
+    shadowed: bool = False
+    held: bool = False
+
+
+class LedgerCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One call as the operator sees it: a sandbox call or a ledgered external effect."""
+
+    call_id: str
+    session_id: str
+    tool: str
+    effect: EffectClass
+    state: str
+    args: dict[str, Any]
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    turn: int | None = None
+    occurrence: int | None = None
+    policy: str | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+class HeldCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An external effect waiting in the outbox."""
+
+    call_id: str
+    session_id: str
+    tool: str
+    policy: str
+    turn: int | None
+    held_at: float
+    args: dict[str, Any]
 
 
 # Requests ------------------------------------------------------------------------------------
@@ -113,6 +152,57 @@ class CallRequest(_Request):
     timeout_s: float | None = None
     clock: float | None = None
     """Virtual wall-clock time (Unix seconds) the tool sees; replay passes the recorded one."""
+    mode: Literal["live", "shadow"] = "live"
+    """shadow: an external effect is never fired, only deduplicated against the ledger or staged."""
+    turn: int | None = None
+    """The agent's turn, which an on_commit effect waits for."""
+
+
+class CommitTurnRequest(_Request):
+    session_id: str
+    turn: int
+
+
+class DropTurnRequest(_Request):
+    session_id: str
+    turn: int
+
+
+class ListCallsRequest(_Request):
+    session_id: str
+
+
+class OutboxRequest(_Request):
+    session_id: str | None = None
+
+
+class ReleaseCallRequest(_Request):
+    call_id: str
+
+
+class DropCallRequest(_Request):
+    call_id: str
+
+
+class BeginReplayRequest(_Request):
+    """Open a replay branch: shadow calls in it count intent occurrences from zero again."""
+
+    session_id: str
+    from_turn: int | None = None
+
+
+class FinishReplayRequest(_Request):
+    """Commit the replay branch (it becomes the live one) or abandon it."""
+
+    session_id: str
+    branch: str
+    commit: bool
+
+
+class ResolveCallRequest(_Request):
+    call_id: str
+    outcome: Literal["done", "failed"]
+    result: dict[str, Any] | None = None
 
 
 class SnapshotRequest(_Request):
@@ -182,6 +272,48 @@ class DeleteSnapshotResponse(_Response):
     snapshot_id: str
 
 
+class CommitTurnResponse(_Response):
+    released: list[CallResult]
+
+
+class DropTurnResponse(_Response):
+    dropped: list[str]
+
+
+class ListCallsResponse(_Response):
+    calls: list[LedgerCall]
+
+
+class OutboxResponse(_Response):
+    held: list[HeldCall]
+
+
+class ReleaseCallResponse(_Response):
+    result: CallResult
+
+
+class DropCallResponse(_Response):
+    call_id: str
+
+
+class ResolveCallResponse(_Response):
+    call: LedgerCall
+
+
+class BeginReplayResponse(_Response):
+    branch: str
+
+
+class FinishReplayResponse(_Response):
+    branch: str
+    committed: bool
+    orphaned: list[str]
+    """Fired in the replaced branch, never reached by the replay: they need compensation."""
+    dropped: list[str]
+    unresolved: list[str]
+    staged: list[str]
+
+
 class ErrorResponse(_Response):
     code: str
     message: str
@@ -199,6 +331,15 @@ Request = (
     | RestoreRequest
     | ListSnapshotsRequest
     | DeleteSnapshotRequest
+    | CommitTurnRequest
+    | DropTurnRequest
+    | ListCallsRequest
+    | OutboxRequest
+    | ReleaseCallRequest
+    | DropCallRequest
+    | ResolveCallRequest
+    | BeginReplayRequest
+    | FinishReplayRequest
 )
 
 Response = (
@@ -212,6 +353,15 @@ Response = (
     | RestoreResponse
     | ListSnapshotsResponse
     | DeleteSnapshotResponse
+    | CommitTurnResponse
+    | DropTurnResponse
+    | ListCallsResponse
+    | OutboxResponse
+    | ReleaseCallResponse
+    | DropCallResponse
+    | ResolveCallResponse
+    | BeginReplayResponse
+    | FinishReplayResponse
     | ErrorResponse
 )
 

@@ -39,6 +39,8 @@ from sandboxd.errors import (
     UnknownSession,
     to_wire,
 )
+from sandboxd.firewall.handlers import FirewallHandlers
+from sandboxd.firewall.service import Firewall
 from sandboxd.sandbox.containers import ContainerManager
 from sandboxd.state import StateStore, canonical_args
 from sandboxd.tools.builtin import BUILTIN_TOOLS, executor_request
@@ -64,7 +66,9 @@ class SandboxService:
         self.state = state
         self.store = store
         self.containers = containers
-        self.tools = ToolRegistry(BUILTIN_TOOLS)
+        self.firewall = Firewall(config.firewall, state.db, state.lock)
+        self.effects = FirewallHandlers(self.firewall, state, self._open_session_row)
+        self.tools = ToolRegistry([*BUILTIN_TOOLS, *self.firewall.manifests()])
         self.started = time.monotonic()
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -79,10 +83,12 @@ class SandboxService:
             p.RestoreRequest: self.restore,
             p.ListSnapshotsRequest: self.list_snapshots,
             p.DeleteSnapshotRequest: self.delete_snapshot,
+            **self.effects.handlers(),
         }
 
     #: requests cheap enough to answer on the socket thread
-    INLINE = (p.HealthRequest, p.ListToolsRequest, p.ListSessionsRequest, p.ListSnapshotsRequest)
+    INLINE = (p.HealthRequest, p.ListToolsRequest, p.ListSessionsRequest, p.ListSnapshotsRequest,
+              p.ListCallsRequest, p.OutboxRequest)
 
     def handle(self, request: p.Request) -> p.Response:
         """Run the handler for this request type; every failure becomes an ErrorResponse."""
@@ -139,6 +145,9 @@ class SandboxService:
         with self._session_lock(req.session_id):
             self._open_session_row(req.session_id)
             self.state.update_session(req.session_id, state="closing")
+            for held in self.firewall.outbox(req.session_id):
+                if held.policy == "on_commit":  # its turn can never commit now
+                    self.firewall.drop(held.call_id)
             self._teardown(req.session_id)
             self.state.delete_snapshots_of(req.session_id)
             self.state.update_session(req.session_id, state="closed", closed_at=time.time())
@@ -168,12 +177,17 @@ class SandboxService:
 
     def call(self, req: p.CallRequest) -> p.CallResponse:
         manifest = self.tools.validate(req.tool, req.args)
+        if self.effects.serves(req.tool):
+            # Effects run in the daemon, never in the container, and outside the session lock: the
+            # ledger serialises what must be serialised, and a slow mail server must not stall tools.
+            self._open_session_row(req.session_id)
+            return p.CallResponse(request_id=req.request_id, result=self.effects.call(req, req.session_id))
         with self._session_lock(req.session_id):
             self._open_session_row(req.session_id)
             if req.call_id is not None and (record := self.state.call(req.call_id)) is not None:
                 return p.CallResponse(request_id=req.request_id, result=self._answer_from_record(req, record))
             if manifest.effect == "external":
-                raise ExternalUnavailable(f"{req.tool} is an external tool; no effect adapter serves it yet",
+                raise ExternalUnavailable(f"{req.tool} is an external tool that no effect adapter serves",
                                           tool=req.tool)
             call_id = req.call_id or "c-" + uuid.uuid4().hex
             self.state.begin_call(call_id, req.session_id, req.tool, req.args, manifest.effect)
@@ -302,6 +316,8 @@ class SandboxService:
         """Bring sessions, containers and snapshots back in line after a crash or restart."""
         for call_id in self.state.interrupt_running_calls():
             log.warning("call %s was interrupted by a restart", call_id)
+        for call_id in self.firewall.recover():
+            log.warning("external call %s was cut between intent and result: now unknown", call_id)
         for row in self.state.sessions(("opening", "closing")):
             self._teardown(row["session_id"])
             self.state.delete_snapshots_of(row["session_id"])

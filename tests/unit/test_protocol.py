@@ -15,6 +15,13 @@ SESSION = p.SessionInfo(session_id="s-1", image="img", state="open", created_at=
 SNAPSHOT = p.SnapshotInfo(snapshot_id="snap-1", session_id="s-1", created_at=2.0, label="l", layers=3)
 RESULT = p.CallResult(call_id="c-1", tool="shell", exit_code=0, stdout="out", stderr="", replayed=True)
 
+EXTERNAL = p.CallResult(call_id="fx-1", tool="send_email", exit_code=0, stdout="{}", stderr="", state="done",
+                        data={"message_id": "<fx-1@sandboxd>"}, deduplicated=True)
+LEDGER = p.LedgerCall(call_id="fx-1", session_id="s-1", tool="send_email", effect="external", state="unknown",
+                      args={"to": ["a@b.c"]}, turn=2, occurrence=0, policy="immediate")
+HELD = p.HeldCall(call_id="fx-1", session_id="s-1", tool="send_email", policy="on_commit", turn=2, held_at=1.0,
+                  args={})
+
 SAMPLES: list[Any] = [
     p.HealthRequest(request_id="r"),
     p.OpenSessionRequest(request_id="r", image="img"),
@@ -38,6 +45,25 @@ SAMPLES: list[Any] = [
     p.ListSnapshotsResponse(request_id="r", snapshots=[SNAPSHOT]),
     p.DeleteSnapshotResponse(request_id="r", snapshot_id="snap-1"),
     p.ErrorResponse(request_id="r", code="unknown_tool", message="m", details={"tool": "x"}),
+    p.CommitTurnRequest(request_id="r", session_id="s-1", turn=3),
+    p.DropTurnRequest(request_id="r", session_id="s-1", turn=3),
+    p.ListCallsRequest(request_id="r", session_id="s-1"),
+    p.OutboxRequest(request_id="r"),
+    p.ReleaseCallRequest(request_id="r", call_id="fx-1"),
+    p.DropCallRequest(request_id="r", call_id="fx-1"),
+    p.ResolveCallRequest(request_id="r", call_id="fx-1", outcome="failed", result=None),
+    p.BeginReplayRequest(request_id="r", session_id="s-1", from_turn=2),
+    p.FinishReplayRequest(request_id="r", session_id="s-1", branch="s-1#1", commit=True),
+    p.CommitTurnResponse(request_id="r", released=[EXTERNAL]),
+    p.DropTurnResponse(request_id="r", dropped=["fx-1"]),
+    p.ListCallsResponse(request_id="r", calls=[LEDGER]),
+    p.OutboxResponse(request_id="r", held=[HELD]),
+    p.ReleaseCallResponse(request_id="r", result=EXTERNAL),
+    p.DropCallResponse(request_id="r", call_id="fx-1"),
+    p.ResolveCallResponse(request_id="r", call=LEDGER),
+    p.BeginReplayResponse(request_id="r", branch="s-1#1"),
+    p.FinishReplayResponse(request_id="r", branch="s-1#1", committed=True, orphaned=["fx-2"], dropped=[],
+                           unresolved=[], staged=["fx-3"]),
 ]
 
 
@@ -74,6 +100,9 @@ MALFORMED = [
      ErrorCode.INVALID_FIELD),
     (frame(type="HealthRequest", request_id="r", admin=True), ErrorCode.INVALID_FIELD),
     (frame(type="HealthRequest", request_id=b"r"), ErrorCode.INVALID_FIELD),
+    (frame(type="CallRequest", request_id="r", session_id="s", tool="t", args={}, mode="fire"),
+     ErrorCode.INVALID_FIELD),
+    (frame(type="ResolveCallRequest", request_id="r", call_id="c", outcome="maybe"), ErrorCode.INVALID_FIELD),
 ]
 
 

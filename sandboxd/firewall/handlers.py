@@ -1,0 +1,136 @@
+"""The daemon's requests that the firewall serves: external calls, turn commits, the outbox, the ledger.
+
+External tools never reach a container: `SandboxService.call` hands them here, and they run in the
+daemon through the effect adapters. Sandbox calls and ledgered effects are listed together for the
+operator, oldest first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from sandboxd import protocol as p
+from sandboxd.errors import InvalidState, UnknownSession
+from sandboxd.firewall.ledger import CallRecord
+from sandboxd.firewall.service import Firewall, FirewallResult
+from sandboxd.state import StateStore
+
+
+class FirewallHandlers:
+    """Handlers for the firewall's requests; `SandboxService` dispatches to them."""
+
+    def __init__(self, firewall: Firewall, state: StateStore, check_open: Callable[[str], object]) -> None:
+        self.firewall = firewall
+        self.state = state
+        self.check_open = check_open
+
+    def handlers(self) -> dict[type[Any], Callable[[Any], p.Response]]:
+        """Request type -> handler, for the service's dispatch table."""
+        return {
+            p.CommitTurnRequest: self.commit_turn,
+            p.DropTurnRequest: self.drop_turn,
+            p.ListCallsRequest: self.list_calls,
+            p.OutboxRequest: self.outbox,
+            p.ReleaseCallRequest: self.release,
+            p.DropCallRequest: self.drop,
+            p.ResolveCallRequest: self.resolve,
+            p.BeginReplayRequest: self.begin_replay,
+            p.FinishReplayRequest: self.finish_replay,
+        }
+
+    def serves(self, tool: str) -> bool:
+        return any(m.name == tool for m in self.firewall.manifests())
+
+    def call(self, req: p.CallRequest, lineage: str) -> p.CallResult:
+        """An external (or http_get) call, through the ledger."""
+        outcome = self.firewall.call(req.session_id, lineage, req.tool, req.args, call_id=req.call_id,
+                                     mode=req.mode, turn=req.turn)
+        return call_result(outcome)
+
+    def commit_turn(self, req: p.CommitTurnRequest) -> p.CommitTurnResponse:
+        self.check_open(req.session_id)
+        released = [call_result(r) for r in self.firewall.commit(req.session_id, req.turn)]
+        return p.CommitTurnResponse(request_id=req.request_id, released=released)
+
+    def drop_turn(self, req: p.DropTurnRequest) -> p.DropTurnResponse:
+        self.check_open(req.session_id)
+        return p.DropTurnResponse(request_id=req.request_id, dropped=self.firewall.drop_turn(req.session_id, req.turn))
+
+    def list_calls(self, req: p.ListCallsRequest) -> p.ListCallsResponse:
+        if self.state.session(req.session_id) is None:
+            raise UnknownSession(req.session_id)
+        calls = [sandbox_call(row) for row in self.state.calls(req.session_id)]
+        calls += [ledger_call(record) for record in self.firewall.calls(req.session_id)]
+        calls.sort(key=lambda c: (c.created_at, c.call_id))
+        return p.ListCallsResponse(request_id=req.request_id, calls=calls)
+
+    def outbox(self, req: p.OutboxRequest) -> p.OutboxResponse:
+        held = [
+            p.HeldCall(call_id=h.call_id, session_id=h.session_id, tool=h.tool, policy=h.policy, turn=h.turn,
+                       held_at=h.held_at, args=h.args)
+            for h in self.firewall.outbox(req.session_id)
+        ]
+        return p.OutboxResponse(request_id=req.request_id, held=held)
+
+    def release(self, req: p.ReleaseCallRequest) -> p.ReleaseCallResponse:
+        return p.ReleaseCallResponse(request_id=req.request_id, result=call_result(self.firewall.release(req.call_id)))
+
+    def drop(self, req: p.DropCallRequest) -> p.DropCallResponse:
+        self.firewall.drop(req.call_id)
+        return p.DropCallResponse(request_id=req.request_id, call_id=req.call_id)
+
+    def resolve(self, req: p.ResolveCallRequest) -> p.ResolveCallResponse:
+        record = self.firewall.resolve(req.call_id, req.outcome, req.result)
+        return p.ResolveCallResponse(request_id=req.request_id, call=ledger_call(record))
+
+
+    def begin_replay(self, req: p.BeginReplayRequest) -> p.BeginReplayResponse:
+        self.check_open(req.session_id)
+        branch = self.firewall.begin_replay(req.session_id, from_turn=req.from_turn)
+        return p.BeginReplayResponse(request_id=req.request_id, branch=branch)
+
+    def finish_replay(self, req: p.FinishReplayRequest) -> p.FinishReplayResponse:
+        self.check_open(req.session_id)
+        if not req.branch.startswith(req.session_id + "#"):
+            raise InvalidState(req.branch, "foreign", f"a replay branch of {req.session_id}")
+        report = self.firewall.finish_replay(req.branch, req.commit)
+        return p.FinishReplayResponse(request_id=req.request_id, branch=report.branch, committed=report.committed,
+                                      orphaned=report.orphaned, dropped=report.dropped,
+                                      unresolved=report.unresolved, staged=report.staged)
+
+
+def call_result(outcome: FirewallResult) -> p.CallResult:
+    """A firewall outcome as the CallResult every tool returns; the effect's data doubles as stdout."""
+    data = outcome.result
+    failed = outcome.error is not None
+    return p.CallResult(
+        call_id=outcome.call_id, tool=outcome.tool, exit_code=1 if failed else 0,
+        stdout=json.dumps(data, sort_keys=True) if data is not None else "",
+        stderr=outcome.error or "", state=outcome.state, data=data, deduplicated=outcome.deduplicated,
+        shadowed=outcome.shadowed, held=outcome.held, replayed=outcome.deduplicated,
+    )
+
+
+def ledger_call(record: CallRecord) -> p.LedgerCall:
+    return p.LedgerCall(
+        call_id=record.call_id, session_id=record.session_id, tool=record.tool, effect="external",
+        state=record.state, args=record.args, result=record.result, error=record.error, turn=record.turn,
+        occurrence=record.occurrence, policy=record.policy, created_at=record.created_at,
+        updated_at=record.updated_at,
+    )
+
+
+def sandbox_call(row: dict[str, Any]) -> p.LedgerCall:
+    saved = json.loads(row["result"]) if row["result"] else None
+    error = f"{saved['code']}: {saved['message']}" if saved and saved.get("kind") == "error" else None
+    result = {k: v for k, v in saved.items() if k != "kind"} if saved and not error else None
+    return p.LedgerCall(
+        call_id=row["call_id"], session_id=row["session_id"], tool=row["tool"],
+        effect=msgspec.convert(row["effect"], p.EffectClass), state=row["status"], args=json.loads(row["args"]),
+        result=result, error=error, created_at=row["created_at"] or 0.0,
+        updated_at=row["finished_at"] or row["created_at"] or 0.0,
+    )
