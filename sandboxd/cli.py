@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,36 @@ def cmd_commit(args: argparse.Namespace, client: Client) -> None:
     _print(args, released, lambda rs: "\n".join(f"{r.call_id}: {r.state}" for r in rs) or "nothing held")
 
 
+def cmd_revoke(args: argparse.Namespace, client: Client) -> None:
+    raised = client.revoke(args.session, args.source, args.target)
+    info = raised.revocation
+    deadline = time.monotonic() + args.wait_done
+    while args.wait_done and time.monotonic() < deadline:
+        status = client.revocation_status(info.revocation_id)
+        if status.report is not None:
+            _print(args, status.report, lambda r: json.dumps(msgspec.to_builtins(r), indent=2, sort_keys=True))
+            return
+        time.sleep(0.5)
+    _print(args, {"revocation_id": info.revocation_id, "state": info.state, "tau": info.tau, "T": raised.T,
+                  "taint_closure": raised.taint_closure, "checkpoint": info.checkpoint_id},
+           lambda d: f"{d['revocation_id']} {d['state']}: tau={d['tau']} T={d['T']}, "
+                     f"{len(d['taint_closure'])} artifacts tainted; the agent replays it when it next connects")
+
+
+def cmd_graph(args: argparse.Namespace, client: Client) -> None:
+    from sandboxd.revocation.graph_render import render
+
+    graph = client.graph(args.session)
+    closure: set[str] = set()
+    if args.source:
+        closure = set(client.provenance(args.session, args.source).taint_closure)
+    text = render(graph.artifacts, graph.checkpoints, closure, args.format, source=args.source)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        print(text)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="sandboxd", description="Tool-execution firewall for LLM agents.")
     sub = top.add_subparsers(dest="command", required=True)
@@ -185,6 +216,16 @@ def parser() -> argparse.ArgumentParser:
     commit = add("commit", cmd_commit, "commit a turn: release the effects held for it")
     commit.add_argument("session")
     commit.add_argument("turn", type=int)
+    revoke = add("revoke", cmd_revoke, "revoke an input: forget TARGET (default: all of SOURCE) and replay")
+    revoke.add_argument("session")
+    revoke.add_argument("--source", required=True, help="the artifact the target entered through")
+    revoke.add_argument("--target", help="the text to forget (default: the whole source)")
+    revoke.add_argument("--wait-done", type=float, default=0.0, help="seconds to wait for the agent's replay")
+    graph = add("graph", cmd_graph, "draw the provenance graph, a source's taint closure highlighted")
+    graph.add_argument("session")
+    graph.add_argument("--format", choices=["json", "dot", "svg"], default="json")
+    graph.add_argument("--source", help="highlight the taint closure of this artifact")
+    graph.add_argument("--output", "-o", help="write to this file instead of stdout")
     return top
 
 

@@ -89,9 +89,9 @@ class Client:
     def health(self) -> p.HealthResponse:
         return self.request(p.HealthRequest(request_id=self._rid()), p.HealthResponse)
 
-    def open_session(self, image: str | None = None) -> p.SessionInfo:
-        reply = self.request(p.OpenSessionRequest(request_id=self._rid(), image=image), p.OpenSessionResponse)
-        return reply.session
+    def open_session(self, image: str | None = None, forget: list[str] | None = None) -> p.SessionInfo:
+        req = p.OpenSessionRequest(request_id=self._rid(), image=image, forget=forget or [])
+        return self.request(req, p.OpenSessionResponse).session
 
     def close_session(self, session_id: str) -> None:
         self.request(p.CloseSessionRequest(request_id=self._rid(), session_id=session_id), p.CloseSessionResponse)
@@ -106,10 +106,10 @@ class Client:
 
     def call(self, session_id: str, tool: str, args: dict[str, Any], call_id: str | None = None,
              timeout_s: float | None = None, clock: float | None = None, mode: str = "live",
-             turn: int | None = None) -> p.CallResult:
+             turn: int | None = None, branch: str = "") -> p.CallResult:
         req = p.CallRequest(request_id=self._rid(), session_id=session_id, tool=tool, args=args,
                             call_id=call_id, timeout_s=timeout_s, clock=clock, mode=mode,  # type: ignore[arg-type]
-                            turn=turn)
+                            turn=turn, branch=branch)
         return self.request(req, p.CallResponse).result
 
     def commit_turn(self, session_id: str, turn: int) -> list[p.CallResult]:
@@ -131,6 +131,43 @@ class Client:
         """Commit or abandon a replay branch; the reply lists orphaned and staged effects."""
         req = p.FinishReplayRequest(request_id=self._rid(), session_id=session_id, branch=branch, commit=commit)
         return self.request(req, p.FinishReplayResponse)
+
+    def record_artifacts(self, session_id: str, artifacts: list[p.Artifact], branch: str = "") -> int:
+        req = p.RecordArtifactsRequest(request_id=self._rid(), session_id=session_id, artifacts=artifacts,
+                                       branch=branch)
+        return self.request(req, p.RecordArtifactsResponse).recorded
+
+    def checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = "",
+                   snapshot: bool = True) -> p.CheckpointRecord:
+        req = p.CheckpointRequest(request_id=self._rid(), session_id=session_id, checkpoint=checkpoint,
+                                  branch=branch, snapshot=snapshot)
+        return self.request(req, p.CheckpointResponse).checkpoint
+
+    def provenance(self, session_id: str, source: str) -> p.ProvenanceResponse:
+        return self.request(p.ProvenanceRequest(request_id=self._rid(), session_id=session_id, source=source),
+                            p.ProvenanceResponse)
+
+    def graph(self, session_id: str) -> p.GraphResponse:
+        return self.request(p.GraphRequest(request_id=self._rid(), session_id=session_id), p.GraphResponse)
+
+    def revoke(self, session_id: str, source: str, target: str | None = None) -> p.RevokeResponse:
+        req = p.RevokeRequest(request_id=self._rid(), session_id=session_id, source=source, target=target)
+        return self.request(req, p.RevokeResponse)
+
+    def pending_revocations(self, session_id: str) -> list[p.RevocationInfo]:
+        req = p.PendingRevocationsRequest(request_id=self._rid(), session_id=session_id)
+        return self.request(req, p.PendingRevocationsResponse).revocations
+
+    def begin_revocation(self, revocation_id: str) -> p.BeginRevocationResponse:
+        req = p.BeginRevocationRequest(request_id=self._rid(), revocation_id=revocation_id)
+        return self.request(req, p.BeginRevocationResponse)
+
+    def commit_revocation(self, req: p.CommitRevocationRequest) -> p.RevocationReport:
+        return self.request(req, p.CommitRevocationResponse).report
+
+    def revocation_status(self, revocation_id: str) -> p.RevocationStatusResponse:
+        req = p.RevocationStatusRequest(request_id=self._rid(), revocation_id=revocation_id)
+        return self.request(req, p.RevocationStatusResponse)
 
     def calls(self, session_id: str) -> list[p.LedgerCall]:
         req = p.ListCallsRequest(request_id=self._rid(), session_id=session_id)

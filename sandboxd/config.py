@@ -76,6 +76,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_layers: Annotated[
         int, msgspec.Meta(ge=2, le=400, description="Overlay depth at which a snapshot is flattened.")
     ] = 64
+    detector: Annotated[
+        str, msgspec.Meta(description="Injection detector run on observations: rules, none, or module:Class.")
+    ] = "rules"
     sandbox: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
     tools: ToolLimits = msgspec.field(default_factory=ToolLimits)
     firewall: Annotated[

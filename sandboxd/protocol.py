@@ -121,6 +121,99 @@ class HeldCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     args: dict[str, Any]
 
 
+ArtifactType = Literal[
+    "system", "user", "memory", "model_turn", "reply", "plan", "tool_call", "observation", "summary"
+]
+#: artifact types that enter from outside the model: each is one step o_t of the observation stream
+OBSERVATION_TYPES = ("user", "memory", "observation")
+
+
+class Artifact(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A node of the provenance graph (paper: id, type, parents, source_ids, token_span, turn, committed).
+
+    `parents` are the artifacts it was computed from, exactly those that occurred (a model turn: every
+    block of its context; a tool call: its turn; an observation: its call; a summary: what it
+    summarised). `step` is the observation step: an observation's own t, otherwise the t of the last
+    observation consumed before it. `content` is the text, kept so recorded observations can be re-fed
+    by prefill on replay and so a leak scan can find what must be forgotten.
+    """
+
+    artifact_id: str
+    type: ArtifactType
+    parents: list[str] = []
+    source_ids: list[str] = []
+    token_span: tuple[int, int] | None = None
+    turn: int = 0
+    step: int = 0
+    committed: bool = True
+    content: str = ""
+    meta: dict[str, Any] = {}
+
+
+class CheckpointRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A splice point, metadata only: token offset, model-cache handle, environment snapshot, manifest."""
+
+    checkpoint_id: str
+    step: int
+    """Observations consumed so far: the checkpoint sits just before o_{step+1} is consumed."""
+    turn: int
+    token_offset: int
+    cache_handle: str
+    reason: Literal["start", "turn", "memory", "external", "compaction"]
+    manifest: list[str] = []
+    """Artifact ids of the blocks that make up the context up to token_offset."""
+    snapshot_id: str | None = None
+    created_at: float = 0.0
+
+
+class TokenCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Token cost of a revocation: recomputed = prefilled + decoded; full_reset is replay from scratch."""
+
+    reused_prefix: int = 0
+    prefilled: int = 0
+    decoded: int = 0
+    recomputed: int = 0
+    full_reset: int = 0
+
+
+class ExogenousInput(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A recorded user input or seeded memory to re-feed by prefill on replay (already sanitized)."""
+
+    type: Literal["user", "memory"]
+    text: str
+
+
+class RevocationInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    revocation_id: str
+    session_id: str
+    source: str
+    state: str
+    raised_by: str
+    tau: int
+    checkpoint_id: str | None = None
+
+
+class RevocationReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a revocation did and cost (the issue's report fields)."""
+
+    revocation_id: str
+    session: str
+    source: str
+    tau: int
+    T: int
+    T_original: int
+    taint_closure: list[str]
+    checkpoint: dict[str, Any]
+    tokens: TokenCounts
+    transitions_replayed: int
+    calls: dict[str, int]
+    leak_scan: dict[str, Any]
+    not_erased: list[str]
+    wall_ms: float
+    answer: str | None = None
+    raised_by: str = "operator"
+
+
 # Requests ------------------------------------------------------------------------------------
 
 
@@ -130,6 +223,8 @@ class HealthRequest(_Request):
 
 class OpenSessionRequest(_Request):
     image: str | None = None
+    forget: list[str] = []
+    """Values this session must never observe: kept only as salted fingerprints, excised from results."""
 
 
 class CloseSessionRequest(_Request):
@@ -154,6 +249,8 @@ class CallRequest(_Request):
     """Virtual wall-clock time (Unix seconds) the tool sees; replay passes the recorded one."""
     mode: Literal["live", "shadow"] = "live"
     """shadow: an external effect is never fired, only deduplicated against the ledger or staged."""
+    branch: str = ""
+    """The replay branch a call belongs to (empty: the live session)."""
     turn: int | None = None
     """The agent's turn, which an on_commit effect waits for."""
 
@@ -197,6 +294,71 @@ class FinishReplayRequest(_Request):
     session_id: str
     branch: str
     commit: bool
+
+
+class RecordArtifactsRequest(_Request):
+    """Report artifacts of a session to the provenance store (idempotent per artifact id)."""
+
+    session_id: str
+    artifacts: list[Artifact]
+    branch: str = ""
+    """Empty for the live session; a replay records under its branch until it commits."""
+
+
+class CheckpointRequest(_Request):
+    """Register a checkpoint; the daemon snapshots the sandbox only if it changed since the last one."""
+
+    session_id: str
+    checkpoint: CheckpointRecord
+    snapshot: bool = True
+    branch: str = ""
+
+
+class ProvenanceRequest(_Request):
+    """Where a source artifact entered (tau), everything reachable from it, and where to splice."""
+
+    session_id: str
+    source: str
+
+
+class GraphRequest(_Request):
+    session_id: str
+
+
+class RevokeRequest(_Request):
+    """A revocation event (z, s): forget `target` (default: the whole source) that entered through `source`."""
+
+    session_id: str
+    source: str
+    target: str | None = None
+
+
+class PendingRevocationsRequest(_Request):
+    session_id: str
+
+
+class BeginRevocationRequest(_Request):
+    """The agent takes a pending revocation: the daemon restores the sandbox and hands over the replay plan."""
+
+    revocation_id: str
+
+
+class CommitRevocationRequest(_Request):
+    """The agent finished replaying: commit the branch, delete the old suffix, scan for leaks, report."""
+
+    revocation_id: str
+    tokens: TokenCounts
+    transitions_replayed: int
+    final_step: int
+    answer: str | None = None
+    call_counts: dict[str, int] = {}
+    """The agent's view of its replayed calls: reexecuted, deduplicated, shadowed."""
+    engine_context: str = ""
+    """The agent's context after the replay (its engine cache and memory), scanned for the target."""
+
+
+class RevocationStatusRequest(_Request):
+    revocation_id: str
 
 
 class ResolveCallRequest(_Request):
@@ -314,6 +476,61 @@ class FinishReplayResponse(_Response):
     staged: list[str]
 
 
+class RecordArtifactsResponse(_Response):
+    recorded: int
+
+
+class CheckpointResponse(_Response):
+    checkpoint: CheckpointRecord
+
+
+class ProvenanceResponse(_Response):
+    source: str
+    tau: int
+    T: int
+    taint_closure: list[str]
+    """The source and every artifact reachable from it, in recording order."""
+    checkpoint: CheckpointRecord | None
+    """The latest checkpoint before o_tau was consumed."""
+
+
+class GraphResponse(_Response):
+    artifacts: list[Artifact]
+    checkpoints: list[CheckpointRecord]
+
+
+class RevokeResponse(_Response):
+    revocation: RevocationInfo
+    taint_closure: list[str]
+    T: int
+
+
+class PendingRevocationsResponse(_Response):
+    revocations: list[RevocationInfo]
+
+
+class BeginRevocationResponse(_Response):
+    revocation_id: str
+    branch: str
+    checkpoint: CheckpointRecord
+    context: list[Artifact]
+    """The blocks of the checkpoint's manifest, with their recorded content and token spans."""
+    inputs: list[ExogenousInput]
+    """Exogenous inputs after the checkpoint, in order, with the target excised."""
+    source_call: str | None = None
+    source_result: str | None = None
+    """When the source is a tool result: the call it answers and its recorded content minus the target."""
+
+
+class CommitRevocationResponse(_Response):
+    report: RevocationReport
+
+
+class RevocationStatusResponse(_Response):
+    revocation: RevocationInfo
+    report: RevocationReport | None = None
+
+
 class ErrorResponse(_Response):
     code: str
     message: str
@@ -340,6 +557,15 @@ Request = (
     | ResolveCallRequest
     | BeginReplayRequest
     | FinishReplayRequest
+    | RecordArtifactsRequest
+    | CheckpointRequest
+    | ProvenanceRequest
+    | GraphRequest
+    | RevokeRequest
+    | PendingRevocationsRequest
+    | BeginRevocationRequest
+    | CommitRevocationRequest
+    | RevocationStatusRequest
 )
 
 Response = (
@@ -362,6 +588,15 @@ Response = (
     | ResolveCallResponse
     | BeginReplayResponse
     | FinishReplayResponse
+    | RecordArtifactsResponse
+    | CheckpointResponse
+    | ProvenanceResponse
+    | GraphResponse
+    | RevokeResponse
+    | PendingRevocationsResponse
+    | BeginRevocationResponse
+    | CommitRevocationResponse
+    | RevocationStatusResponse
     | ErrorResponse
 )
 

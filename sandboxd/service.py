@@ -41,6 +41,10 @@ from sandboxd.errors import (
 )
 from sandboxd.firewall.handlers import FirewallHandlers
 from sandboxd.firewall.service import Firewall
+from sandboxd.provenance.handlers import ProvenanceHandlers
+from sandboxd.provenance.store import ProvenanceStore
+from sandboxd.revocation.detector import load_detector
+from sandboxd.revocation.operator import RevocationOperator
 from sandboxd.sandbox.containers import ContainerManager
 from sandboxd.state import StateStore, canonical_args
 from sandboxd.tools.builtin import BUILTIN_TOOLS, executor_request
@@ -48,6 +52,9 @@ from sandboxd.tools.registry import ToolRegistry
 from snapshots import SnapshotError, SnapshotStore, UnknownSnapshot
 
 log = logging.getLogger("sandboxd")
+
+#: label of the snapshots the daemon takes for agent checkpoints (deleted with the suffix they belong to)
+CHECKPOINT_LABEL = "checkpoint"
 
 _EXECUTOR_ERRORS: dict[str, Callable[[str, dict[str, Any]], SandboxdError]] = {
     "path_escape": lambda msg, d: PathEscape(str(d.get("path", "")), str(d.get("reason", msg))),
@@ -67,8 +74,11 @@ class SandboxService:
         self.store = store
         self.containers = containers
         self.firewall = Firewall(config.firewall, state.db, state.lock)
-        self.effects = FirewallHandlers(self.firewall, state, self._open_session_row)
+        self.effects = FirewallHandlers(self.firewall, state, self.check_open)
         self.tools = ToolRegistry([*BUILTIN_TOOLS, *self.firewall.manifests()])
+        self.provenance = ProvenanceStore(state.db, state.lock)
+        self.revocations = RevocationOperator(self, self.provenance, load_detector(config.detector))
+        self.provenance_handlers = ProvenanceHandlers(self, self.provenance, self.revocations.on_observation)
         self.started = time.monotonic()
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -84,11 +94,13 @@ class SandboxService:
             p.ListSnapshotsRequest: self.list_snapshots,
             p.DeleteSnapshotRequest: self.delete_snapshot,
             **self.effects.handlers(),
+            **self.provenance_handlers.handlers(),
+            **self.revocations.handlers(),
         }
 
     #: requests cheap enough to answer on the socket thread
     INLINE = (p.HealthRequest, p.ListToolsRequest, p.ListSessionsRequest, p.ListSnapshotsRequest,
-              p.ListCallsRequest, p.OutboxRequest)
+              p.ListCallsRequest, p.OutboxRequest, p.PendingRevocationsRequest, p.RevocationStatusRequest)
 
     def handle(self, request: p.Request) -> p.Response:
         """Run the handler for this request type; every failure becomes an ErrorResponse."""
@@ -104,11 +116,17 @@ class SandboxService:
             log.exception("internal error serving %s", type(request).__name__)
             return error_response(request.request_id, exc)
 
-    def _session_lock(self, session_id: str) -> threading.Lock:
+    def session_lock(self, session_id: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault(session_id, threading.Lock())
 
-    def _open_session_row(self, session_id: str) -> dict[str, Any]:
+    def known_session(self, session_id: str) -> dict[str, Any]:
+        row = self.state.session(session_id)
+        if row is None:
+            raise UnknownSession(session_id)
+        return row
+
+    def check_open(self, session_id: str) -> dict[str, Any]:
         row = self.state.session(session_id)
         if row is None:
             raise UnknownSession(session_id)
@@ -129,7 +147,7 @@ class SandboxService:
         if not self.containers.image_exists(image):
             raise NotFound(f"image {image!r} not found on the Docker engine", image=image)
         self.state.add_session(session_id, image)
-        with self._session_lock(session_id):
+        with self.session_lock(session_id):
             try:
                 root = self.store.create(session_id, self.containers.owner())
                 container_id = self.containers.create(session_id, image, root, self.store.propagation)
@@ -138,18 +156,21 @@ class SandboxService:
                 self.state.update_session(session_id, state="failed", closed_at=time.time())
                 raise
             self.state.update_session(session_id, state="open", container_id=container_id)
+            for value in req.forget:
+                self.revocations.forget(session_id, value)
         log.info("session %s opened on %s", session_id, image)
         return p.OpenSessionResponse(request_id=req.request_id, session=self._info(session_id))
 
     def close_session(self, req: p.CloseSessionRequest) -> p.CloseSessionResponse:
-        with self._session_lock(req.session_id):
-            self._open_session_row(req.session_id)
+        with self.session_lock(req.session_id):
+            self.check_open(req.session_id)
             self.state.update_session(req.session_id, state="closing")
             for held in self.firewall.outbox(req.session_id):
                 if held.policy == "on_commit":  # its turn can never commit now
                     self.firewall.drop(held.call_id)
             self._teardown(req.session_id)
             self.state.delete_snapshots_of(req.session_id)
+            self.provenance.delete_session(req.session_id)
             self.state.update_session(req.session_id, state="closed", closed_at=time.time())
         log.info("session %s closed", req.session_id)
         return p.CloseSessionResponse(request_id=req.request_id, session_id=req.session_id)
@@ -170,7 +191,7 @@ class SandboxService:
 
     def list_tools(self, req: p.ListToolsRequest) -> p.ListToolsResponse:
         if req.session_id is not None:
-            self._open_session_row(req.session_id)
+            self.check_open(req.session_id)
         return p.ListToolsResponse(request_id=req.request_id, tools=self.tools.manifests())
 
     # Calls -------------------------------------------------------------------------------------
@@ -180,27 +201,39 @@ class SandboxService:
         if self.effects.serves(req.tool):
             # Effects run in the daemon, never in the container, and outside the session lock: the
             # ledger serialises what must be serialised, and a slow mail server must not stall tools.
-            self._open_session_row(req.session_id)
-            return p.CallResponse(request_id=req.request_id, result=self.effects.call(req, req.session_id))
-        with self._session_lock(req.session_id):
-            self._open_session_row(req.session_id)
-            if req.call_id is not None and (record := self.state.call(req.call_id)) is not None:
+            self.check_open(req.session_id)
+            result = self.effects.call(req, req.session_id)
+            return p.CallResponse(request_id=req.request_id, result=self._sanitized(req.session_id, result))
+        with self.session_lock(req.session_id):
+            self.check_open(req.session_id)
+            if req.call_id is not None and (record := self.state.call(req.session_id, req.call_id)) is not None:
                 return p.CallResponse(request_id=req.request_id, result=self._answer_from_record(req, record))
             if manifest.effect == "external":
                 raise ExternalUnavailable(f"{req.tool} is an external tool that no effect adapter serves",
                                           tool=req.tool)
             call_id = req.call_id or "c-" + uuid.uuid4().hex
-            self.state.begin_call(call_id, req.session_id, req.tool, req.args, manifest.effect)
+            self.state.begin_call(call_id, req.session_id, req.tool, req.args, manifest.effect,
+                                  branch=req.branch, turn=req.turn)
             try:
-                result = self._execute(req, call_id)
+                result = self._sanitized(req.session_id, self._execute(req, call_id))
             except SandboxdError as exc:
                 code, message, details = to_wire(exc)
                 status = "timeout" if isinstance(exc, ToolTimeout) else "error"
-                self.state.finish_call(call_id, status, {"kind": "error", "code": code.value,
+                self.state.finish_call(req.session_id, call_id, status, {"kind": "error", "code": code.value,
                                                          "message": message, "details": details})
                 raise
-            self.state.finish_call(call_id, "done", {"kind": "result", **msgspec.to_builtins(result)})
+            self.state.finish_call(req.session_id, call_id, "done", {"kind": "result", **msgspec.to_builtins(result)})
         return p.CallResponse(request_id=req.request_id, result=result)
+
+    def _sanitized(self, session_id: str, result: p.CallResult) -> p.CallResult:
+        """A result with the session's forgotten values excised, before it is recorded or returned."""
+        if not self.state.fingerprints(session_id):
+            return result
+        clean = self.revocations.sanitize
+        return msgspec.structs.replace(result, stdout=clean(session_id, result.stdout),
+                                       stderr=clean(session_id, result.stderr),
+                                       data=json.loads(clean(session_id, json.dumps(result.data)))
+                                       if result.data is not None else None)
 
     def _answer_from_record(self, req: p.CallRequest, record: dict[str, Any]) -> p.CallResult:
         """A retried call id: the recorded answer, never a second run."""
@@ -254,42 +287,70 @@ class SandboxService:
     # Snapshots ---------------------------------------------------------------------------------
 
     def snapshot(self, req: p.SnapshotRequest) -> p.SnapshotResponse:
-        snapshot_id = "snap-" + uuid.uuid4().hex[:12]
-        with self._session_lock(req.session_id):
-            self._open_session_row(req.session_id)
-            self._quiesce(req.session_id)
-            try:
-                taken = self.store.take(req.session_id, snapshot_id)
-            except (SnapshotError, OSError) as exc:
-                raise SnapshotFailed(f"snapshot of {req.session_id} failed: {exc}") from exc
-            row = {"snapshot_id": snapshot_id, "session_id": req.session_id, "label": req.label,
-                   "created_at": taken.record.created_at, "layers": len(taken.record.layers),
-                   "elapsed_ms": taken.elapsed_ms}
-            self.state.add_snapshot(row)
+        with self.session_lock(req.session_id):
+            self.check_open(req.session_id)
+            row = self._take_snapshot(req.session_id, req.label)
         return p.SnapshotResponse(request_id=req.request_id, snapshot=_snapshot_info(row))
 
+    def _take_snapshot(self, session_id: str, label: str | None) -> dict[str, Any]:
+        """Freeze the sandbox (caller holds the session lock); the sandbox then equals this snapshot."""
+        snapshot_id = "snap-" + uuid.uuid4().hex[:12]
+        self._quiesce(session_id)
+        try:
+            taken = self.store.take(session_id, snapshot_id)
+        except (SnapshotError, OSError) as exc:
+            raise SnapshotFailed(f"snapshot of {session_id} failed: {exc}") from exc
+        row = {"snapshot_id": snapshot_id, "session_id": session_id, "label": label,
+               "created_at": taken.record.created_at, "layers": len(taken.record.layers),
+               "elapsed_ms": taken.elapsed_ms}
+        self.state.add_snapshot(row)
+        self.state.update_session(session_id, env_snapshot=snapshot_id)
+        return row
+
+    def current_snapshot(self, session_id: str) -> str:
+        """A snapshot equal to the sandbox now: the last one if nothing was written since, else a new one."""
+        row = self.check_open(session_id)
+        if row.get("env_snapshot") and self.state.snapshot(row["env_snapshot"]) is not None:
+            return str(row["env_snapshot"])
+        return str(self._take_snapshot(session_id, CHECKPOINT_LABEL)["snapshot_id"])
+
+    def restore_snapshot(self, session_id: str, snapshot_id: str) -> float:
+        """Restore (caller holds the session lock); returns milliseconds spent in the store."""
+        self._own_snapshot(session_id, snapshot_id)
+        self._quiesce(session_id)
+        try:
+            done = self.store.restore(session_id, snapshot_id)
+        except UnknownSnapshot as exc:
+            raise SnapshotNotFound(snapshot_id, session_id) from exc
+        except (SnapshotError, OSError) as exc:
+            raise SnapshotFailed(f"restore of {snapshot_id} failed: {exc}") from exc
+        self.state.update_session(session_id, env_snapshot=snapshot_id)
+        return done.elapsed_ms
+
+    def drop_unreferenced_checkpoint_snapshots(self, session_id: str, live: list[p.CheckpointRecord]) -> None:
+        """Delete checkpoint snapshots that no remaining checkpoint refers to (an old suffix's)."""
+        keep = {c.snapshot_id for c in live}
+        current = self.check_open(session_id).get("env_snapshot")
+        for row in self.state.snapshots(session_id):
+            if row["label"] == CHECKPOINT_LABEL and row["snapshot_id"] not in keep and row["snapshot_id"] != current:
+                self.store.delete(session_id, row["snapshot_id"])
+                self.state.delete_snapshot(row["snapshot_id"])
+
     def restore(self, req: p.RestoreRequest) -> p.RestoreResponse:
-        with self._session_lock(req.session_id):
-            self._open_session_row(req.session_id)
-            self._own_snapshot(req.session_id, req.snapshot_id)
-            self._quiesce(req.session_id)
-            try:
-                done = self.store.restore(req.session_id, req.snapshot_id)
-            except UnknownSnapshot as exc:
-                raise SnapshotNotFound(req.snapshot_id, req.session_id) from exc
-            except (SnapshotError, OSError) as exc:
-                raise SnapshotFailed(f"restore of {req.snapshot_id} failed: {exc}") from exc
+        with self.session_lock(req.session_id):
+            self.check_open(req.session_id)
+            elapsed = self.restore_snapshot(req.session_id, req.snapshot_id)
         return p.RestoreResponse(request_id=req.request_id, session_id=req.session_id,
-                                 snapshot_id=req.snapshot_id, elapsed_ms=done.elapsed_ms)
+                                 snapshot_id=req.snapshot_id, elapsed_ms=elapsed)
 
     def list_snapshots(self, req: p.ListSnapshotsRequest) -> p.ListSnapshotsResponse:
-        self._open_session_row(req.session_id)
+        self.check_open(req.session_id)
         rows = self.state.snapshots(req.session_id)
         return p.ListSnapshotsResponse(request_id=req.request_id, snapshots=[_snapshot_info(r) for r in rows])
 
     def delete_snapshot(self, req: p.DeleteSnapshotRequest) -> p.DeleteSnapshotResponse:
-        with self._session_lock(req.session_id):
-            self._open_session_row(req.session_id)
+        with self.session_lock(req.session_id):
+            self.check_open(req.session_id)
             self._own_snapshot(req.session_id, req.snapshot_id)
             try:
                 self.store.delete(req.session_id, req.snapshot_id)

@@ -45,13 +45,15 @@ class StateStore:
         with self.transaction():
             self.db.table("sessions").create(
                 {"session_id": str, "image": str, "state": str, "created_at": float, "closed_at": float,
-                 "container_id": str},
+                 "container_id": str, "env_snapshot": str},
                 pk="session_id", if_not_exists=True, not_null={"image", "state", "created_at"},
             )
             self.db.table("calls").create(
                 {"call_id": str, "session_id": str, "seq": int, "tool": str, "args": str, "effect": str,
-                 "status": str, "result": str, "created_at": float, "finished_at": float},
-                pk="call_id", if_not_exists=True, foreign_keys=[("session_id", "sessions")],
+                 "status": str, "result": str, "created_at": float, "finished_at": float, "branch": str,
+                 "turn": int},
+                # Call ids are the agent's to choose, so they are unique within a session, not across them.
+                pk=("session_id", "call_id"), if_not_exists=True, foreign_keys=[("session_id", "sessions")],
                 not_null={"session_id", "tool", "args", "status"},
             )
             self.db.table("snapshots").create(
@@ -59,6 +61,13 @@ class StateStore:
                  "elapsed_ms": float},
                 pk="snapshot_id", if_not_exists=True, foreign_keys=[("session_id", "sessions")],
             )
+            self.db.table("revocations").create(
+                {"revocation_id": str, "session_id": str, "source": str, "target": str, "fingerprint": str,
+                 "state": str, "raised_by": str, "tau": int, "T": int, "checkpoint_id": str, "branch": str,
+                 "closure": str, "report": str, "created_at": float, "started_at": float},
+                pk="revocation_id", if_not_exists=True,
+            )
+            self.db.table("forgotten").create({"session_id": str, "fingerprint": str}, if_not_exists=True)
             self.db.table("calls").create_index(["session_id", "seq"], if_not_exists=True)
             self.db.table("snapshots").create_index(["session_id"], if_not_exists=True)
             self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -105,24 +114,28 @@ class StateStore:
 
     # Calls -------------------------------------------------------------------------------------
 
-    def call(self, call_id: str) -> dict[str, Any] | None:
+    def call(self, session_id: str, call_id: str) -> dict[str, Any] | None:
         with self.lock:
-            rows = list(self.db.table("calls").rows_where("call_id = ?", [call_id]))
+            rows = list(self.db.table("calls").rows_where("session_id = ? AND call_id = ?", [session_id, call_id]))
         return rows[0] if rows else None
 
-    def begin_call(self, call_id: str, session_id: str, tool: str, args: dict[str, Any], effect: str) -> None:
-        """Record a call as running before it runs (write-ahead)."""
+    def begin_call(self, call_id: str, session_id: str, tool: str, args: dict[str, Any], effect: str,
+                   branch: str = "", turn: int | None = None) -> None:
+        """Record a call as running before it runs (write-ahead); a write call makes the sandbox dirty."""
         with self.transaction() as db:
+            if effect == "write":
+                db.table("sessions").update(session_id, {"env_snapshot": None})
             seq = self.conn.execute(
                 "SELECT COALESCE(MAX(seq), 0) + 1 FROM calls WHERE session_id = ?", [session_id]
             ).fetchone()[0]
             db.table("calls").insert({"call_id": call_id, "session_id": session_id, "seq": seq, "tool": tool,
                                 "args": canonical_args(args), "effect": effect, "status": "running",
-                                "result": None, "created_at": time.time(), "finished_at": None})
+                                "result": None, "created_at": time.time(), "finished_at": None,
+                                "branch": branch, "turn": turn})
 
-    def finish_call(self, call_id: str, status: str, result: dict[str, Any]) -> None:
+    def finish_call(self, session_id: str, call_id: str, status: str, result: dict[str, Any]) -> None:
         with self.transaction() as db:
-            db.table("calls").update(call_id, {"status": status, "result": json.dumps(result),
+            db.table("calls").update((session_id, call_id), {"status": status, "result": json.dumps(result),
                                          "finished_at": time.time()})
 
     def interrupt_running_calls(self) -> list[str]:
@@ -135,6 +148,22 @@ class StateStore:
     def calls(self, session_id: str) -> list[dict[str, Any]]:
         with self.lock:
             return list(self.db.table("calls").rows_where("session_id = ?", [session_id], order_by="seq"))
+
+    # Forgetting -------------------------------------------------------------------------------
+
+    def fingerprints(self, session_id: str) -> list[str]:
+        with self.lock:
+            return [r["fingerprint"] for r in self.db.table("forgotten").rows_where("session_id = ?", [session_id])]
+
+    def add_fingerprint(self, session_id: str, fingerprint: str) -> None:
+        with self.transaction() as db:
+            db.table("forgotten").insert({"session_id": session_id, "fingerprint": fingerprint})
+
+    def purge(self) -> None:
+        """Make deleted rows physically gone: secure_delete zeroes them, then VACUUM and an empty WAL."""
+        with self.lock:
+            self.conn.execute("VACUUM")
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # Snapshots ---------------------------------------------------------------------------------
 

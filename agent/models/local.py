@@ -91,10 +91,11 @@ class LocalBackend:
         self._meter = TokenMeter()
 
     @classmethod
-    def tiny(cls, *, seed: int = 0, device: str | None = None) -> LocalBackend:
+    def tiny(cls, *, seed: int = 0, device: str | None = None, max_positions: int = 2048) -> LocalBackend:
         """The default engine: the seeded tiny Llama and the byte tokenizer."""
         tokenizer = ByteTokenizer()
-        return cls(build_tiny_model(tokenizer.vocab_size, seed=seed), tokenizer, device=device)
+        model = build_tiny_model(tokenizer.vocab_size, seed=seed, max_positions=max_positions)
+        return cls(model, tokenizer, device=device)
 
     @classmethod
     def from_pretrained(

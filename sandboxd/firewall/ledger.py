@@ -291,10 +291,11 @@ class Ledger:
         return [(r["from_state"], r["to_state"], r["note"] or "") for r in rows]
 
     def calls_of_session(self, session_id: str) -> list[CallRecord]:
-        """Every call a session reached (in any branch), in the order reached."""
+        """Every call a session reached (in any branch), once each, in the order first reached."""
         rows = self._rows(
-            "SELECT c.* FROM ledger_reached r JOIN ledger_calls c ON c.call_id = r.call_id "
-            "WHERE r.session_id = ? ORDER BY r.reached_at, r.rowid",
+            "SELECT c.* FROM ledger_calls c JOIN (SELECT call_id, MIN(reached_at) AS first, MIN(rowid) AS k "
+            "FROM ledger_reached WHERE session_id = ? GROUP BY call_id) r ON c.call_id = r.call_id "
+            "ORDER BY r.first, r.k",
             [session_id],
         )
         return [_record(row) for row in rows]
@@ -305,6 +306,17 @@ class Ledger:
         marks = ",".join("?" * len(wanted))
         rows = self._rows(f"SELECT * FROM ledger_calls WHERE state IN ({marks}) ORDER BY created_at", wanted)
         return [_record(row) for row in rows]
+
+    def fired_twice(self, session_id: str) -> int:
+        """Calls of a session that fired more than once without a certain failure in between (must be 0)."""
+        rows = self._rows(
+            """SELECT e.call_id,
+                      SUM(e.to_state = 'fired') - SUM(e.from_state = 'fired' AND e.to_state = 'failed') AS live
+               FROM ledger_events e JOIN ledger_calls c ON c.call_id = e.call_id
+               WHERE c.session_id = ? GROUP BY e.call_id HAVING live > 1""",
+            [session_id],
+        )
+        return len(rows)
 
     def count_by_state(self) -> dict[str, int]:
         """How many calls sit in each state."""

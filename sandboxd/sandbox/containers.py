@@ -151,6 +151,13 @@ class ContainerManager:
             pass
         shutil.rmtree(self.ctl_root / session_id, ignore_errors=True)
 
+    def container(self, session_id: str) -> Any:
+        """The session's Docker container, or None."""
+        try:
+            return self.client.containers.get(self.name(session_id))
+        except docker.errors.NotFound:
+            return None
+
     def sessions_with_containers(self) -> list[str]:
         """Session ids that have a container of this instance, running or not."""
         found = self.client.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={self.instance}"})

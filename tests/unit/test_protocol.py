@@ -22,6 +22,18 @@ LEDGER = p.LedgerCall(call_id="fx-1", session_id="s-1", tool="send_email", effec
 HELD = p.HeldCall(call_id="fx-1", session_id="s-1", tool="send_email", policy="on_commit", turn=2, held_at=1.0,
                   args={})
 
+ART = p.Artifact(artifact_id="obs-3", type="observation", parents=["call-2-0"], token_span=(10, 42), turn=2, step=3,
+                 content="result", meta={"tool": "read_file"})
+CP = p.CheckpointRecord(checkpoint_id="cp-2-2-turn-7", step=2, turn=2, token_offset=10, cache_handle="local:10:ab",
+                        reason="turn", manifest=["sys", "user-1"], snapshot_id="snap-1", created_at=3.0)
+TOKENS = p.TokenCounts(reused_prefix=10, prefilled=5, decoded=7, recomputed=12, full_reset=40)
+RINFO = p.RevocationInfo(revocation_id="rv-1", session_id="s-1", source="obs-3", state="pending",
+                         raised_by="operator", tau=3, checkpoint_id="cp-2-2-turn-7")
+REPORT = p.RevocationReport(revocation_id="rv-1", session="s-1", source="obs-3", tau=3, T=9, T_original=11,
+                            taint_closure=["obs-3", "turn-3"], checkpoint={"id": "cp", "token_offset": 10},
+                            tokens=TOKENS, transitions_replayed=7, calls={"fired_twice": 0},
+                            leak_scan={"locations_checked": 3, "hits": 0}, not_erased=[], wall_ms=5.0)
+
 SAMPLES: list[Any] = [
     p.HealthRequest(request_id="r"),
     p.OpenSessionRequest(request_id="r", image="img"),
@@ -64,6 +76,27 @@ SAMPLES: list[Any] = [
     p.BeginReplayResponse(request_id="r", branch="s-1#1"),
     p.FinishReplayResponse(request_id="r", branch="s-1#1", committed=True, orphaned=["fx-2"], dropped=[],
                            unresolved=[], staged=["fx-3"]),
+    p.RecordArtifactsRequest(request_id="r", session_id="s-1", artifacts=[ART], branch="s-1#1"),
+    p.CheckpointRequest(request_id="r", session_id="s-1", checkpoint=CP, snapshot=False),
+    p.ProvenanceRequest(request_id="r", session_id="s-1", source="obs-3"),
+    p.GraphRequest(request_id="r", session_id="s-1"),
+    p.RevokeRequest(request_id="r", session_id="s-1", source="obs-3", target="result"),
+    p.PendingRevocationsRequest(request_id="r", session_id="s-1"),
+    p.BeginRevocationRequest(request_id="r", revocation_id="rv-1"),
+    p.CommitRevocationRequest(request_id="r", revocation_id="rv-1", tokens=TOKENS, transitions_replayed=7,
+                              final_step=9, answer="a", call_counts={"reexecuted": 2}, engine_context="ctx"),
+    p.RevocationStatusRequest(request_id="r", revocation_id="rv-1"),
+    p.RecordArtifactsResponse(request_id="r", recorded=1),
+    p.CheckpointResponse(request_id="r", checkpoint=CP),
+    p.ProvenanceResponse(request_id="r", source="obs-3", tau=3, T=9, taint_closure=["obs-3"], checkpoint=CP),
+    p.GraphResponse(request_id="r", artifacts=[ART], checkpoints=[CP]),
+    p.RevokeResponse(request_id="r", revocation=RINFO, taint_closure=["obs-3"], T=9),
+    p.PendingRevocationsResponse(request_id="r", revocations=[RINFO]),
+    p.BeginRevocationResponse(request_id="r", revocation_id="rv-1", branch="s-1#1", checkpoint=CP, context=[ART],
+                              inputs=[p.ExogenousInput(type="user", text="next")], source_call="call-2-0",
+                              source_result="clean"),
+    p.CommitRevocationResponse(request_id="r", report=REPORT),
+    p.RevocationStatusResponse(request_id="r", revocation=RINFO, report=REPORT),
 ]
 
 

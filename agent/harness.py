@@ -1,0 +1,113 @@
+"""Running scripted sessions end to end: the outside world (a mail sink and a web server) and the agent.
+
+Used by `make demo`, the tests and the benchmarks. The world is local: an aiosmtpd sink on loopback
+that counts what it receives, and a web server on loopback that serves the pages a scenario reads.
+"""
+
+from __future__ import annotations
+
+import email
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from aiosmtpd.controller import Controller
+
+from agent.context import SeededContext
+from agent.models.local import LocalBackend
+from agent.runtime import AgentSession, exogenous_inputs
+from agent.scenario import Scenario, ScriptedPolicy
+from sandboxd.client import Client
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class MailSink:
+    """An SMTP server on loopback that keeps every message it accepted."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.messages: list[email.message.Message] = []
+        self._lock = threading.Lock()
+        self._controller = Controller(self, hostname="127.0.0.1", port=self.port)
+        self._controller.start()
+
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+        with self._lock:
+            self.messages.append(email.message_from_bytes(envelope.content))
+        return "250 OK"
+
+    def subjects(self) -> list[str]:
+        with self._lock:
+            return [str(m["Subject"]) for m in self.messages]
+
+    def close(self) -> None:
+        self._controller.stop()
+
+
+class Web:
+    """A web server on loopback serving fixed pages (the outside world a read tool fetches)."""
+
+    def __init__(self, pages: dict[str, str]) -> None:
+        self.pages = pages
+        web = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = web.pages.get(self.path, "not found").encode()
+                self.send_response(200 if self.path in web.pages else 404)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def daemon_config(path: Path, mail: MailSink, web: Web, release: str = "immediate") -> Path:
+    """A daemon configuration whose firewall reaches this world."""
+    path.write_text(
+        "[firewall]\nadapter_timeout_s = 5.0\n"
+        f"[firewall.smtp]\nhost = \"127.0.0.1\"\nport = {mail.port}\n"
+        f"[firewall.http]\nallowlist = [\"127.0.0.1:{web.port}\"]\n"
+        f"[firewall.release]\nsend_email = \"{release}\"\n"
+    )
+    return path
+
+
+def seed_workspace(client: Client, session_id: str, files: dict[str, str]) -> None:
+    """Put the scenario's starting files in the sandbox (set-up, not part of the agent's session)."""
+    for path, content in files.items():
+        client.call(session_id, "write_file", {"path": path, "content": content}, call_id=f"seed/{path}")
+
+
+def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, seed: int = 0,
+                forget: list[str] | None = None, hijackable: bool = True,
+                engine: LocalBackend | None = None) -> AgentSession:
+    """Open a sandbox session, seed it, and run the scenario with the scripted policy on the local engine."""
+    session_id = client.open_session(forget=forget).session_id
+    seed_workspace(client, session_id, files)
+    engine = engine or LocalBackend.tiny(seed=seed, max_positions=65536)
+    agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable),
+                         SeededContext(seed=seed))
+    agent.start(exogenous_inputs(scenario))
+    agent.run()
+    return agent

@@ -1,0 +1,49 @@
+"""The agent's half of a revocation: take the event, restore the cache, replay the suffix, commit.
+
+The daemon restores the sandbox and hands over the plan (the checkpoint, its context, the sanitized
+exogenous inputs that follow it); the agent crops its model cache to the checkpoint's offset
+(Lemma 1: nothing before tau is recomputed), then runs its ordinary loop under a replay branch:
+recorded inputs are re-fed by prefill, model turns decoded again, tools called again with external
+ones in shadow mode. What it cost is metered by the backend and sent with the commit.
+"""
+
+from __future__ import annotations
+
+from agent.runtime import AgentSession, Exogenous
+from sandboxd import protocol as p
+
+
+def apply_pending(session: AgentSession) -> list[p.RevocationReport]:
+    """Apply every revocation waiting for this session, oldest first."""
+    return [apply(session, info.revocation_id) for info in session.client.pending_revocations(session.session_id)]
+
+
+def apply(session: AgentSession, revocation_id: str) -> p.RevocationReport:
+    """Replay the session from the splice checkpoint without the revoked input; returns the daemon's report."""
+    session.flush()
+    plan = session.client.begin_revocation(revocation_id)
+    before = session.backend.meter
+    session.resume(plan.checkpoint, plan.context, [Exogenous(type=i.type, text=i.text) for i in plan.inputs])
+    session.branch, session.mode = plan.branch, "shadow"
+    session.source_result = (plan.source_call, plan.source_result or "") if plan.source_call else None
+    session.calls_made = []
+    try:
+        session.run()
+    finally:
+        session.branch, session.mode, session.source_result = "", "live", None
+    used = session.backend.meter - before
+    made = session.calls_made
+    counts = {
+        "reexecuted": sum(1 for r in made if session.effect(r.tool) != "external"),
+        "reused": 0,
+        "shadowed": sum(1 for r in made if r.shadowed or r.deduplicated),
+        "deduplicated": sum(1 for r in made if r.deduplicated),
+    }
+    final_step = session.step
+    return session.client.commit_revocation(p.CommitRevocationRequest(
+        request_id=session.client._rid(), revocation_id=revocation_id,
+        tokens=p.TokenCounts(reused_prefix=plan.checkpoint.token_offset, prefilled=used.prefilled,
+                             decoded=used.decoded, full_reset=len(session.backend)),
+        transitions_replayed=final_step - plan.checkpoint.step, final_step=final_step, answer=session.answer(),
+        call_counts=counts, engine_context=session.backend.detokenize(session.backend.token_ids()),
+    ))

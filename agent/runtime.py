@@ -1,0 +1,290 @@
+"""The agent runtime: context blocks, the turn loop, tool calls over ZeroMQ, provenance and checkpoints.
+
+A session's context is an ordered list of blocks. The loop is a function of that list: a pending
+tool call is executed and its result appended; after a user input or a result the model decodes a
+turn; after a final answer the next exogenous input (a memory injection or a user input) is taken
+from the queue. Because nothing else drives the loop, a session resumes from any checkpoint by
+restoring the model cache and the blocks of the checkpoint's manifest: that is how a replay runs.
+
+Every block and every derived artifact (plan, tool call, reply) is reported to the daemon with the
+dependencies that actually occurred; a checkpoint (metadata only) is registered before every
+observation, before every external call and before every compaction.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from agent.context import SeededContext, artifact_id
+from agent.models.base import Checkpoint, ModelBackend
+from agent.models.local import LocalBackend
+from agent.models.scripted import ScriptedBackend
+from agent.scenario import ContextBlock, Scenario, ScriptedPolicy, ToolStep, parse_turn
+from sandboxd import protocol as p
+from sandboxd.client import Client, RemoteError
+
+ROLE = {"system": "<|system|>", "memory": "<|system|>", "user": "<|user|>", "observation": "<|tool|>",
+        "model_turn": "<|assistant|>", "summary": "<|assistant|>"}
+END = "<|end|>"
+
+
+class Block(msgspec.Struct, kw_only=True):
+    """One block of the context: the artifact it is, its text and where its tokens sit."""
+
+    artifact_id: str
+    type: str
+    text: str
+    span: tuple[int, int]
+    calls: list[tuple[str, ToolStep]] = []
+    """For a model turn: the tool calls it emitted, with their artifact ids."""
+    answers: str | None = None
+    """For an observation: the tool-call artifact it answers."""
+    injects: str | None = None
+    """For a memory injection of a summary: the summary artifact."""
+
+
+class Exogenous(msgspec.Struct, frozen=True, kw_only=True):
+    """An input from outside the model: a user input or a seeded memory."""
+
+    type: str
+    text: str
+
+
+def exogenous_inputs(scenario: Scenario) -> list[Exogenous]:
+    """A scenario's exogenous stream: seeded memories first, then the user's tasks."""
+    return [Exogenous(type="memory", text=m) for m in scenario.memories] + [
+        Exogenous(type="user", text=t.text) for t in scenario.tasks]
+
+
+class AgentSession:
+    """One agent session against one daemon session; scripted turns through a real model backend."""
+
+    def __init__(self, client: Client, session_id: str, backend: ModelBackend, policy: ScriptedPolicy,
+                 ctx: SeededContext | None = None, *, max_turn_tokens: int = 4096) -> None:
+        self.client = client
+        self.session_id = session_id
+        self.policy = policy
+        self.backend = backend
+        if isinstance(backend, LocalBackend):
+            # Scripted turns: the policy picks the text, the local engine runs every token of it.
+            self.backend = ScriptedBackend(backend, lambda _ctx: self._choose())
+        self.ctx = ctx or SeededContext()
+        self.max_turn_tokens = max_turn_tokens
+        self.blocks: list[Block] = []
+        self.queue: collections.deque[Exogenous] = collections.deque()
+        self.branch = ""
+        self.mode: str = "live"
+        self.source_result: tuple[str, str] | None = None
+        """During a replay: (tool-call artifact, sanitized recorded result) to re-feed instead of re-running."""
+        self._outbox: list[p.Artifact] = []
+        self._choose: Any = None
+        self._effects: dict[str, str] | None = None
+        self.calls_made: list[p.CallResult] = []
+
+    # Derived state -----------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return sum(1 for b in self.blocks if b.type in p.OBSERVATION_TYPES)
+
+    @property
+    def turn(self) -> int:
+        return sum(1 for b in self.blocks if b.type in ("model_turn", "summary"))
+
+    def context(self) -> list[ContextBlock]:
+        """The context as the policy sees it."""
+        return [ContextBlock(type=b.type, text=b.text) for b in self.blocks]
+
+    def answer(self) -> str | None:
+        """The final answer of the last task, if the session ended on one."""
+        for block in reversed(self.blocks):
+            if block.type == "model_turn":
+                return parse_turn(block.text)[1]
+        return None
+
+    def _pending_call(self) -> tuple[str, ToolStep] | None:
+        answered = {b.answers for b in self.blocks if b.type == "observation"}
+        for block in reversed(self.blocks):
+            if block.type == "model_turn":
+                for call in block.calls:
+                    if call[0] not in answered:
+                        return call
+                return None
+        return None
+
+    def _due_compaction(self) -> bool:
+        k = self.policy.scenario.compact_every
+        last = max((i for i, b in enumerate(self.blocks) if b.type == "summary"), default=-1)
+        return k > 0 and sum(1 for b in self.blocks[last + 1:] if b.type == "model_turn") >= k
+
+    # The loop ----------------------------------------------------------------------------------
+
+    def start(self, inputs: Iterable[Exogenous]) -> None:
+        """Prefill the system prompt, register the start checkpoint, queue the exogenous inputs."""
+        self._append("system", "sys", self.policy.scenario.system, parents=[])
+        self._checkpoint("start")
+        self.queue.extend(inputs)
+
+    def run(self) -> None:
+        """Run until the queue is empty and the last task has its answer."""
+        while True:
+            pending = self._pending_call()
+            last = self.blocks[-1].type
+            if pending is not None:
+                self._execute(*pending)
+            elif last in ("user", "observation"):
+                self._compact() if self._due_compaction() else self._decode_turn()
+            elif last == "summary":
+                self._decode_turn()
+            elif not self._next_input():
+                break
+        self.flush()
+
+    def _next_input(self) -> bool:
+        if not self.queue:
+            return False
+        item = self.queue.popleft()
+        if item.type == "user":
+            self._inject_summaries()
+            self._checkpoint("turn")
+            self._append("user", artifact_id("user", self.step + 1), item.text, parents=[])
+        else:
+            self._checkpoint("memory")
+            self._append("memory", artifact_id("mem", self.step + 1), item.text, parents=[])
+        return True
+
+    def _inject_summaries(self) -> None:
+        injected = {b.injects for b in self.blocks if b.type == "memory"}
+        for block in [b for b in self.blocks if b.type == "summary" and b.artifact_id not in injected]:
+            self._checkpoint("memory")
+            text = "Memory: " + block.text
+            self._append("memory", artifact_id("mem", self.step + 1), text, parents=[block.artifact_id],
+                         injects=block.artifact_id)
+
+    def _decode_turn(self) -> None:
+        turn = self.turn + 1
+        parents = [b.artifact_id for b in self.blocks]
+        text, span = self._decode(lambda: self.policy.next_turn(self.context()))
+        calls, answer, plan = parse_turn(text)
+        tid = artifact_id("turn", turn)
+        call_ids = [(artifact_id("call", turn, k), call) for k, call in enumerate(calls)]
+        self.blocks.append(Block(artifact_id=tid, type="model_turn", text=text, span=span, calls=call_ids))
+        self._record(tid, "model_turn", text, parents, span)
+        if plan:
+            self._record(artifact_id("plan", turn), "plan", plan, [tid], None)
+        for cid, call in call_ids:
+            self._record(cid, "tool_call", msgspec.json.encode(call).decode(), [tid], None,
+                         meta={"tool": call.name})
+        if answer is not None:
+            self._record(artifact_id("reply", turn), "reply", answer, [tid], None)
+
+    def _compact(self) -> None:
+        self._checkpoint("compaction")
+        turn = self.turn + 1
+        parents = [b.artifact_id for b in self.blocks]
+        text, span = self._decode(lambda: self.policy.summary(self.context()))
+        sid = artifact_id("summary", turn)
+        self.blocks.append(Block(artifact_id=sid, type="summary", text=text, span=span))
+        self._record(sid, "summary", text, parents, span)
+
+    def _decode(self, choose: Any) -> tuple[str, tuple[int, int]]:
+        """One model turn: the role header by prefill, then the turn decoded up to the end marker."""
+        start = len(self.backend)
+        self.backend.append(self.backend.tokenize(ROLE["model_turn"], specials=True))
+        self._choose = choose
+        end_id = self.backend.tokenize(END, specials=True)[0]
+        result = self.backend.decode(self.max_turn_tokens, stop_token_ids=[end_id])
+        ids = result.token_ids[:-1] if result.matched_stop is not None else result.token_ids
+        return self.backend.detokenize(ids), (start, len(self.backend))
+
+    def _execute(self, call_artifact: str, call: ToolStep) -> None:
+        manifest_effect = self.effect(call.name)
+        if manifest_effect == "external":
+            self._checkpoint("external")
+        if self.source_result is not None and self.source_result[0] == call_artifact:
+            text, self.source_result = self.source_result[1], None
+        else:
+            text = self._call(call_artifact, call)
+        self._checkpoint("turn")
+        self._append("observation", artifact_id("obs", self.step + 1), text, parents=[call_artifact],
+                     answers=call_artifact, meta={"tool": call.name})
+
+    def _call(self, call_artifact: str, call: ToolStep) -> str:
+        call_id = f"{self.branch or 'live'}/{call_artifact}"
+        try:
+            result = self.client.call(self.session_id, call.name, call.arguments, call_id=call_id,
+                                      clock=self.ctx.clock(self.step, self.turn), mode=self.mode,
+                                      turn=self.turn, branch=self.branch)
+        except RemoteError as exc:
+            return f"error {exc.wire_code}: {exc.message}"
+        self.calls_made.append(result)
+        if result.state != "done":
+            return f"[{result.state}] {result.stdout}"
+        return result.stdout if result.exit_code == 0 else f"exit {result.exit_code}\n{result.stdout}{result.stderr}"
+
+    def effect(self, tool: str) -> str:
+        """The effect class of a tool, as the daemon's manifests declare it."""
+        if self._effects is None:
+            self._effects = {t.name: t.effect for t in self.client.tools(self.session_id)}
+        return self._effects.get(tool, "write")
+
+    # Blocks, artifacts, checkpoints ------------------------------------------------------------
+
+    def _append(self, kind: str, aid: str, text: str, parents: list[str], **extra: Any) -> None:
+        start = len(self.backend)
+        ids = self.backend.tokenize(ROLE[kind], specials=True) + self.backend.tokenize(text) + \
+            self.backend.tokenize(END, specials=True)
+        self.backend.append(ids)
+        span = (start, len(self.backend))
+        meta = extra.pop("meta", {})
+        self.blocks.append(Block(artifact_id=aid, type=kind, text=text, span=span, **extra))
+        self._record(aid, kind, text, parents, span, meta=meta)
+
+    def _record(self, aid: str, kind: str, text: str, parents: list[str], span: tuple[int, int] | None,
+                meta: dict[str, Any] | None = None) -> None:
+        self._outbox.append(p.Artifact(
+            artifact_id=aid, type=kind, parents=parents, token_span=span, turn=self.turn,  # type: ignore[arg-type]
+            step=self.step, committed=not self.branch, content=text, meta=meta or {}))
+
+    def flush(self) -> None:
+        """Send buffered artifacts to the daemon."""
+        if self._outbox:
+            self.client.record_artifacts(self.session_id, self._outbox, branch=self.branch)
+            self._outbox = []
+
+    def _checkpoint(self, reason: str) -> p.CheckpointRecord:
+        self.flush()
+        cp = self.backend.checkpoint()
+        record = p.CheckpointRecord(
+            checkpoint_id=f"cp-{self.step}-{self.turn}-{reason}-{len(self.blocks)}", step=self.step, turn=self.turn,
+            token_offset=cp.offset, cache_handle=cp.cache_handle, reason=reason,  # type: ignore[arg-type]
+            manifest=[b.artifact_id for b in self.blocks])
+        return self.client.checkpoint(self.session_id, record, branch=self.branch)
+
+    # Resuming ----------------------------------------------------------------------------------
+
+    def resume(self, checkpoint: p.CheckpointRecord, context: list[p.Artifact], inputs: Iterable[Exogenous]) -> None:
+        """Restore the model cache and the blocks to a checkpoint; queue the inputs that follow it."""
+        self.backend.restore(Checkpoint(offset=checkpoint.token_offset, cache_handle=checkpoint.cache_handle))
+        self.blocks = [block_of(a) for a in context]
+        self.queue = collections.deque(inputs)
+
+
+def block_of(artifact: p.Artifact) -> Block:
+    """The context block a recorded artifact was, rebuilt for a resumed session."""
+    assert artifact.token_span is not None, f"{artifact.artifact_id} is not a context block"
+    block = Block(artifact_id=artifact.artifact_id, type=artifact.type, text=artifact.content,
+                  span=artifact.token_span)
+    if artifact.type == "model_turn":
+        turn = artifact.artifact_id.split("-")[1]
+        calls = parse_turn(artifact.content)[0]
+        block.calls = [(f"call-{turn}-{k}", call) for k, call in enumerate(calls)]
+    elif artifact.type == "observation":
+        block.answers = artifact.parents[0] if artifact.parents else None
+    elif artifact.type == "memory" and artifact.parents:
+        block.injects = artifact.parents[0]
+    return block

@@ -1,0 +1,140 @@
+"""Scenarios and the scripted policy that plays them, hijackable by instructions found in observations.
+
+A scenario is the exogenous side of a session: a system prompt, seeded memories and the user's
+tasks. The scripted policy decides each model turn from the context alone: the current task is the
+last user input, and the next action is the task's next step unless an observation of this task
+carries an instruction the policy obeys, as a hijacked agent would. Remove the instruction from the
+context and the same policy does what an unhijacked agent does; that is what replay relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+
+class ToolStep(msgspec.Struct, frozen=True, kw_only=True):
+    """One tool call a task makes: an OpenAI-style function name and arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+class Task(msgspec.Struct, frozen=True, kw_only=True):
+    """A user input, the steps the agent takes for it, and its final answer."""
+
+    text: str
+    steps: list[ToolStep] = []
+    answer: str = "done"
+    plan: str = ""
+
+
+class Scenario(msgspec.Struct, frozen=True, kw_only=True):
+    """The exogenous inputs of a session."""
+
+    name: str
+    system: str
+    memories: list[str] = []
+    tasks: list[Task] = []
+    compact_every: int = 4
+    """A compaction writes a summary into memory every this many model turns."""
+
+
+class ContextBlock(msgspec.Struct, frozen=True, kw_only=True):
+    """What the policy sees of one block of the context: its type and its text."""
+
+    type: str
+    text: str
+
+
+# An instruction the hijackable policy obeys, in the imperative form injected content uses.
+_EMAIL = re.compile(r"send an email to (?P<to>[^\s,]+@[^\s,]+?)[,.]? with subject '(?P<subject>[^']*)' "
+                    r"and body '(?P<body>[^']*)'", re.IGNORECASE)
+_NOTE = re.compile(r"write a note to (?P<path>[\w./-]+) saying '(?P<text>[^']*)'", re.IGNORECASE)
+
+
+def obeyed_instructions(text: str) -> list[ToolStep]:
+    """Tool calls that a hijacked agent would make after reading `text`, in the order they appear."""
+    found: list[tuple[int, ToolStep]] = []
+    for m in _NOTE.finditer(text):
+        found.append((m.start(), ToolStep(name="write_file", arguments={"path": m["path"], "content": m["text"]})))
+    for m in _EMAIL.finditer(text):
+        found.append((m.start(), ToolStep(name="send_email", arguments={
+            "to": [m["to"]], "subject": m["subject"], "body": m["body"]})))
+    return [step for _, step in sorted(found, key=lambda pair: pair[0])]
+
+
+def turn_text(step: ToolStep | None, answer: str = "", plan: str = "") -> str:
+    """A model turn as JSON: one tool call in OpenAI's shape, or the final answer."""
+    body: dict[str, Any] = {}
+    if plan:
+        body["plan"] = plan
+    if step is not None:
+        body["tool_calls"] = [{"type": "function", "function": {"name": step.name, "arguments": step.arguments}}]
+    else:
+        body["answer"] = answer
+    return json.dumps(body, sort_keys=True)
+
+
+class ScriptedPolicy:
+    """Plays a scenario's tasks; with `hijackable`, also obeys instructions found in observations."""
+
+    def __init__(self, scenario: Scenario, hijackable: bool = True) -> None:
+        self.scenario = scenario
+        self.hijackable = hijackable
+
+    def next_turn(self, context: Sequence[ContextBlock]) -> str:
+        """The next model turn for this context."""
+        users = [i for i, b in enumerate(context) if b.type == "user"]
+        if not users or len(users) > len(self.scenario.tasks):
+            return turn_text(None, answer="ready")
+        task = self.scenario.tasks[len(users) - 1]
+        since = context[users[-1] + 1:]
+        results = [b.text for b in since if b.type == "observation"]
+        actions = self._actions(task, results)
+        done = len(results)
+        if done < len(actions):
+            return turn_text(actions[done], plan=task.plan if done == 0 and task.plan else "")
+        return turn_text(None, answer=task.answer)
+
+    def _actions(self, task: Task, results: list[str]) -> list[ToolStep]:
+        """The task's steps, with obeyed instructions spliced in right after the result that carried them."""
+        actions: list[ToolStep] = []
+        pending: list[tuple[ToolStep, bool]] = [(step, True) for step in task.steps]
+        while pending:
+            step, from_task = pending.pop(0)
+            actions.append(step)
+            done = len(actions) - 1
+            # Only results of the user's own steps are read for instructions: one level of hijack.
+            if self.hijackable and from_task and done < len(results):
+                pending[0:0] = [(s, False) for s in obeyed_instructions(results[done])]
+        return actions
+
+    def summary(self, context: Sequence[ContextBlock]) -> str:
+        """A compaction summary: the tasks so far and an excerpt of every observation (derived content)."""
+        tasks = [b.text for b in context if b.type == "user"]
+        notes = [b.text.replace("\n", " ")[:160] for b in context if b.type == "observation"]
+        return "Summary. Tasks: " + " | ".join(tasks) + ". Observations: " + " | ".join(notes)
+
+
+def parse_turn(text: str) -> tuple[list[ToolStep], str | None, str]:
+    """(tool calls, answer, plan) of a model turn; text that is not our JSON is an answer."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return [], text, ""
+    if not isinstance(body, dict):
+        return [], text, ""
+    calls = []
+    for call in body.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # OpenAI sends arguments as a JSON string
+            args = json.loads(args or "{}")
+        calls.append(ToolStep(name=str(fn.get("name", "")), arguments=args))
+    answer = body.get("answer")
+    return calls, answer if isinstance(answer, str) else None, str(body.get("plan") or "")

@@ -1,0 +1,252 @@
+"""The provenance graph, the observation log and the checkpoint set of each session, in SQLite.
+
+Artifacts are the graph's nodes; `prov_edges` holds parent -> child. Observations (user inputs,
+memory injections, tool results) are the artifacts whose type makes them a step o_t, and their
+recorded content is the observation log a replay re-feeds. One recursive query gives a source's
+taint closure; `tau` is the source's step. Every artifact gets a `seq` in recording order, so "the
+suffix after a checkpoint" is a range of seqs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import sqlite_utils
+
+from sandboxd import protocol as p
+from sandboxd.errors import InvalidArguments, NotFound
+
+_SCHEMA: dict[str, tuple[dict[str, Any], str | tuple[str, ...]]] = {
+    "prov_artifacts": (
+        {"session_id": str, "artifact_id": str, "seq": int, "type": str, "turn": int, "step": int,
+         "token_start": int, "token_end": int, "committed": int, "content": str, "meta": str,
+         "source_ids": str, "branch": str},
+        ("session_id", "branch", "artifact_id"),
+    ),
+    "prov_edges": ({"session_id": str, "branch": str, "parent": str, "child": str},
+                   ("session_id", "branch", "parent", "child")),
+    "prov_checkpoints": (
+        {"session_id": str, "checkpoint_id": str, "step": int, "turn": int, "token_offset": int,
+         "cache_handle": str, "reason": str, "manifest": str, "snapshot_id": str, "created_at": float,
+         "artifact_seq": int, "branch": str},
+        ("session_id", "branch", "checkpoint_id"),
+    ),
+}
+_INDEXES = [("prov_artifacts", ["session_id", "seq"]), ("prov_edges", ["session_id", "child"]),
+            ("prov_checkpoints", ["session_id", "step"])]
+
+#: the live branch of a session; a replay writes under its own branch name until it commits
+LIVE = ""
+
+
+class ProvenanceStore:
+    """Typed access to the provenance tables over the daemon's shared connection and lock."""
+
+    def __init__(self, db: sqlite_utils.Database, lock: threading.RLock) -> None:
+        self.db = db
+        self.lock = lock
+        with lock, db.atomic():
+            for name, (columns, pk) in _SCHEMA.items():
+                db.table(name).create(columns, pk=pk, if_not_exists=True)
+            for name, cols in _INDEXES:
+                db.table(name).create_index(cols, if_not_exists=True)
+
+    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        with self.lock:
+            cursor = self.db.execute(sql, list(params))
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    # Recording ---------------------------------------------------------------------------------
+
+    def record(self, session_id: str, artifacts: list[p.Artifact], branch: str = LIVE) -> int:
+        """Insert artifacts and their parent edges; a re-sent artifact id must be identical."""
+        with self.lock, self.db.atomic():
+            seq = self._next_seq(session_id)
+            inserted = 0
+            for artifact in artifacts:
+                existing = self._artifact_row(session_id, artifact.artifact_id, branch)
+                if existing is not None:
+                    if self._load(existing) != artifact:
+                        raise InvalidArguments("provenance", f"artifact {artifact.artifact_id} re-sent with "
+                                               "different contents", "$.artifacts")
+                    continue
+                self._check_parents(session_id, artifact, branch)
+                self.db.table("prov_artifacts").insert(_to_row(session_id, artifact, seq, branch))
+                self.db.table("prov_edges").insert_all(
+                    [{"session_id": session_id, "branch": branch, "parent": parent, "child": artifact.artifact_id}
+                     for parent in dict.fromkeys(artifact.parents)])
+                seq += 1
+                inserted += 1
+        return inserted
+
+    def _next_seq(self, session_id: str) -> int:
+        row = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM prov_artifacts WHERE session_id = ?",
+                              [session_id]).fetchone()
+        return int(row[0])
+
+    def _check_parents(self, session_id: str, artifact: p.Artifact, branch: str) -> None:
+        for parent in artifact.parents:
+            # A replay branch builds on the live prefix: its parents are its own or live artifacts.
+            if parent != artifact.artifact_id and (self._artifact_row(session_id, parent, branch) is not None
+                                                   or self._artifact_row(session_id, parent, LIVE) is not None):
+                continue
+            raise InvalidArguments("provenance", f"artifact {artifact.artifact_id} names unknown parent "
+                                   f"{parent!r}; parents must be recorded first", "$.artifacts")
+
+    def _artifact_row(self, session_id: str, artifact_id: str, branch: str = LIVE) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM prov_artifacts WHERE session_id = ? AND branch = ? AND artifact_id = ?",
+                          [session_id, branch, artifact_id])
+        return rows[0] if rows else None
+
+    def add_checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = LIVE) -> None:
+        """Store a checkpoint, remembering how many artifacts existed when it was taken."""
+        with self.lock, self.db.atomic():
+            if self._rows("SELECT 1 FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
+                          [session_id, branch, checkpoint.checkpoint_id]):
+                raise InvalidArguments("checkpoint", f"checkpoint {checkpoint.checkpoint_id} already exists",
+                                       "$.checkpoint.checkpoint_id")
+            row = msgspec.to_builtins(checkpoint)
+            row.update(session_id=session_id, manifest=json.dumps(checkpoint.manifest),
+                       artifact_seq=self._next_seq(session_id) - 1, branch=branch)
+            self.db.table("prov_checkpoints").insert(row)
+
+    # Queries -----------------------------------------------------------------------------------
+
+    def _load(self, row: dict[str, Any]) -> p.Artifact:
+        parents = self._rows("SELECT parent FROM prov_edges WHERE session_id = ? AND branch = ? AND child = ? "
+                             "ORDER BY rowid", [row["session_id"], row["branch"], row["artifact_id"]])
+        return _from_row(row, [r["parent"] for r in parents])
+
+    def artifact(self, session_id: str, artifact_id: str) -> p.Artifact:
+        row = self._artifact_row(session_id, artifact_id)
+        if row is None:
+            raise NotFound(f"session {session_id} has no artifact {artifact_id!r}", artifact_id=artifact_id)
+        return self._load(row)
+
+    def artifacts(self, session_id: str, branch: str | None = LIVE) -> list[p.Artifact]:
+        """Artifacts in recording order (of one branch, or all with branch=None)."""
+        where, params = "session_id = ?", [session_id]
+        if branch is not None:
+            where, params = where + " AND branch = ?", [session_id, branch]
+        parents: dict[str, list[str]] = {}
+        for edge in self._rows("SELECT branch, parent, child FROM prov_edges WHERE session_id = ? ORDER BY rowid",
+                               [session_id]):
+            parents.setdefault(edge["branch"] + "/" + edge["child"], []).append(edge["parent"])
+        rows = self._rows(f"SELECT * FROM prov_artifacts WHERE {where} ORDER BY seq", params)
+        return [_from_row(r, parents.get(r["branch"] + "/" + r["artifact_id"], [])) for r in rows]
+
+    def checkpoints(self, session_id: str, branch: str | None = LIVE) -> list[p.CheckpointRecord]:
+        where, params = "session_id = ?", [session_id]
+        if branch is not None:
+            where, params = where + " AND branch = ?", [session_id, branch]
+        rows = self._rows(f"SELECT * FROM prov_checkpoints WHERE {where} ORDER BY step, token_offset, created_at",
+                          params)
+        return [_checkpoint(r) for r in rows]
+
+    def closure(self, session_id: str, source: str) -> list[str]:
+        """The source and every artifact reachable from it along parent -> child edges, in order."""
+        rows = self._rows(
+            """WITH RECURSIVE reach(id) AS (
+                   SELECT ? UNION SELECT e.child FROM prov_edges e JOIN reach r ON e.parent = r.id
+                   WHERE e.session_id = ? AND e.branch = ?)
+               SELECT a.artifact_id FROM prov_artifacts a JOIN reach ON a.artifact_id = reach.id
+               WHERE a.session_id = ? AND a.branch = ? ORDER BY a.seq""",
+            [source, session_id, LIVE, session_id, LIVE])
+        return [r["artifact_id"] for r in rows]
+
+    def last_step(self, session_id: str) -> int:
+        """T: the number of observation steps the live branch has consumed."""
+        marks = ",".join("?" for _ in p.OBSERVATION_TYPES)
+        rows = self._rows(f"SELECT COALESCE(MAX(step), 0) AS t FROM prov_artifacts WHERE session_id = ? "
+                          f"AND branch = ? AND type IN ({marks})", [session_id, LIVE, *p.OBSERVATION_TYPES])
+        return int(rows[0]["t"])
+
+    def checkpoint_before(self, session_id: str, step: int) -> p.CheckpointRecord | None:
+        """The latest live checkpoint taken before observation `step` was consumed."""
+        rows = self._rows(
+            "SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND step < ? "
+            "ORDER BY step DESC, token_offset DESC, artifact_seq DESC LIMIT 1", [session_id, LIVE, step])
+        return _checkpoint(rows[0]) if rows else None
+
+    def query(self, session_id: str, source: str) -> tuple[int, int, list[str], p.CheckpointRecord | None]:
+        """(tau, T, taint closure, splice checkpoint) for a source artifact."""
+        artifact = self.artifact(session_id, source)
+        if artifact.type not in p.OBSERVATION_TYPES:
+            raise InvalidArguments("provenance", f"{source} is a {artifact.type}, not an observation: only "
+                                   "user inputs, memory injections and tool results can be revoked", "$.source")
+        tau = artifact.step
+        closure = self.closure(session_id, source)
+        return tau, self.last_step(session_id), closure, self.checkpoint_before(session_id, tau)
+
+    def commit_branch(self, session_id: str, branch: str, splice: p.CheckpointRecord) -> list[p.Artifact]:
+        """Make a replay branch live: drop the live suffix after `splice`, relabel the branch; returns the drop."""
+        with self.lock, self.db.atomic():
+            cut = self._rows("SELECT artifact_seq, rowid FROM prov_checkpoints WHERE session_id = ? AND branch = ? "
+                             "AND checkpoint_id = ?", [session_id, LIVE, splice.checkpoint_id])[0]
+            later = {r["artifact_id"] for r in self._rows(
+                "SELECT artifact_id FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ?",
+                [session_id, LIVE, cut["artifact_seq"]])}
+            dropped = [a for a in self.artifacts(session_id) if a.artifact_id in later]
+            ids = [a.artifact_id for a in dropped]
+            for chunk in _chunks(ids):
+                marks = ",".join("?" for _ in chunk)
+                self.db.execute(f"DELETE FROM prov_edges WHERE session_id = ? AND branch = ? AND child IN ({marks})",
+                                [session_id, LIVE, *chunk])
+                self.db.execute(f"DELETE FROM prov_artifacts WHERE session_id = ? AND branch = ? "
+                                f"AND artifact_id IN ({marks})", [session_id, LIVE, *chunk])
+            self.db.execute("DELETE FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid > ?",
+                            [session_id, LIVE, cut["rowid"]])
+            # A replay re-registers the splice point itself (same position, same id): keep the live one.
+            self.db.execute("DELETE FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id IN "
+                            "(SELECT checkpoint_id FROM prov_checkpoints WHERE session_id = ? AND branch = ?)",
+                            [session_id, branch, session_id, LIVE])
+            for table in _SCHEMA:
+                self.db.execute(f"UPDATE {table} SET branch = ? WHERE session_id = ? AND branch = ?",
+                                [LIVE, session_id, branch])
+        return dropped
+
+    def abandon_branch(self, session_id: str, branch: str) -> None:
+        """Forget a replay branch that will not be committed."""
+        with self.lock, self.db.atomic():
+            for table in _SCHEMA:
+                self.db.execute(f"DELETE FROM {table} WHERE session_id = ? AND branch = ?", [session_id, branch])
+
+    def delete_session(self, session_id: str) -> None:
+        with self.lock, self.db.atomic():
+            for table in _SCHEMA:
+                self.db.execute(f"DELETE FROM {table} WHERE session_id = ?", [session_id])
+
+
+def _chunks(items: list[str], size: int = 400) -> list[list[str]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _to_row(session_id: str, artifact: p.Artifact, seq: int, branch: str) -> dict[str, Any]:
+    span = artifact.token_span
+    return {"session_id": session_id, "artifact_id": artifact.artifact_id, "seq": seq, "type": artifact.type,
+            "turn": artifact.turn, "step": artifact.step, "token_start": span[0] if span else None,
+            "token_end": span[1] if span else None, "committed": int(artifact.committed),
+            "content": artifact.content, "meta": json.dumps(artifact.meta, sort_keys=True),
+            "source_ids": json.dumps(artifact.source_ids), "branch": branch}
+
+
+def _from_row(row: dict[str, Any], parents: list[str]) -> p.Artifact:
+    span = (row["token_start"], row["token_end"]) if row["token_start"] is not None else None
+    return p.Artifact(
+        artifact_id=row["artifact_id"], type=row["type"], parents=parents,
+        source_ids=json.loads(row["source_ids"]), token_span=span, turn=row["turn"], step=row["step"],
+        committed=bool(row["committed"]), content=row["content"], meta=json.loads(row["meta"]),
+    )
+
+
+def _checkpoint(row: dict[str, Any]) -> p.CheckpointRecord:
+    return p.CheckpointRecord(
+        checkpoint_id=row["checkpoint_id"], step=row["step"], turn=row["turn"], token_offset=row["token_offset"],
+        cache_handle=row["cache_handle"], reason=row["reason"], manifest=json.loads(row["manifest"]),
+        snapshot_id=row["snapshot_id"], created_at=row["created_at"] or 0.0,
+    )
