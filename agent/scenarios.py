@@ -30,7 +30,7 @@ SUM_REVENUE = (
 )
 
 
-ARCHIVE = "mkdir -p archive && cp projects/q3.csv archive/"
+ARCHIVE = "mkdir -p archive && cp projects/q3.csv archive/ && echo archived q3.csv"
 
 
 def finance(web_url: str, *, compact_every: int = 4) -> Scenario:
@@ -53,7 +53,7 @@ def finance(web_url: str, *, compact_every: int = 4) -> Scenario:
             Task(text="Write the Q3 report.",
                  steps=[ToolStep(name="write_file", arguments={
                      "path": "report.md", "content": "# Q3\nRevenue 1,250,000. Acme +4%, Beta late twice.\n"}),
-                        ToolStep(name="read_file", arguments={"path": "report.md"})],
+                        ToolStep(name="shell", arguments={"command": "wc -c report.md"})],
                  answer="report.md is written."),
             Task(text="Email the report to the team.",
                  steps=[ToolStep(name="send_email", arguments={

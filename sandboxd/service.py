@@ -170,8 +170,11 @@ class SandboxService:
                     self.firewall.drop(held.call_id)
             self._teardown(req.session_id)
             self.state.delete_snapshots_of(req.session_id)
+            # A closed session keeps its row; what its tools returned and what the agent saw is deleted.
             self.provenance.delete_session(req.session_id)
+            self.state.delete_calls_of(req.session_id)
             self.state.update_session(req.session_id, state="closed", closed_at=time.time())
+            self.state.purge()
         log.info("session %s closed", req.session_id)
         return p.CloseSessionResponse(request_id=req.request_id, session_id=req.session_id)
 

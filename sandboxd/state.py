@@ -145,6 +145,10 @@ class StateStore:
             self.conn.execute("UPDATE calls SET status = 'interrupted' WHERE status = 'running'")
         return ids
 
+    def delete_calls_of(self, session_id: str) -> None:
+        with self.transaction():
+            self.conn.execute("DELETE FROM calls WHERE session_id = ?", [session_id])
+
     def calls(self, session_id: str) -> list[dict[str, Any]]:
         with self.lock:
             return list(self.db.table("calls").rows_where("session_id = ?", [session_id], order_by="seq"))

@@ -174,6 +174,7 @@ class RevocationOperator:
             effects = self.service.firewall.finish_replay(branch, commit=True)
             self.provenance.commit_branch(sid, branch, splice)
             self._drop_old_calls(sid, branch, splice)
+            self._scrub_calls(sid)
             self.service.drop_unreferenced_checkpoint_snapshots(sid, self.provenance.checkpoints(sid))
             with self.state.transaction() as db:
                 # From here on the target exists only in this process's memory, for the scan below.
@@ -194,6 +195,21 @@ class RevocationOperator:
                                     [sid, splice.created_at])
             self.state.conn.execute("UPDATE calls SET branch = '' WHERE session_id = ? AND branch = ?", [sid, branch])
 
+    def _scrub_calls(self, sid: str) -> None:
+        """Excise forgotten values from the call records that remain (the source's own call among them)."""
+        for row in self.state.calls(sid):
+            args, result = self._scrub_json(sid, row["args"]), self._scrub_json(sid, row["result"])
+            if (args, result) != (row["args"], row["result"]):
+                with self.state.transaction() as db:
+                    db.table("calls").update((sid, row["call_id"]), {"args": args, "result": result})
+
+    def _scrub_json(self, sid: str, text: str | None) -> str | None:
+        if not text:
+            return text
+        value = json.loads(text)
+        clean = _map_strings(value, lambda s: self.sanitize(sid, s))
+        return text if clean == value else json.dumps(clean, sort_keys=True, separators=(",", ":"))
+
     def _abandon(self, row: dict[str, Any]) -> None:
         self.service.firewall.finish_replay(row["branch"], commit=False)
         self.provenance.abandon_branch(row["session_id"], row["branch"])
@@ -202,19 +218,32 @@ class RevocationOperator:
                                     [row["session_id"], row["branch"]])
 
     def _leak_scan(self, sid: str, target: str, req: p.CommitRevocationRequest) -> dict[str, Any]:
+        """Byte-scan everything the daemon keeps, the session's container, and the agent's context.
+
+        Hits inside the sandbox's own files (workspace, snapshot layers, container) are counted apart:
+        a value the environment held before tau is held by the counterfactual world too, and a replay
+        does not rewrite the environment. Everything else must be clean.
+        """
         needles = needles_for(target)
-        report = scan_paths(needles, [self.service.config.state_path])
+        state = self.service.config.state_path
+        report = scan_paths(needles, [state])
+        environment = str(state / "snapshots")
+        hits = [f"{h.location}@{h.offset}" for h in report.hits if not h.location.startswith(environment)]
+        env_hits = [f"{h.location}@{h.offset}" for h in report.hits if h.location.startswith(environment)]
+        checked = report.locations_checked
         container = self.service.containers.container(sid)
-        checked, hits = report.locations_checked, [f"{h.location}@{h.offset}" for h in report.hits]
         if container is not None:
             inside = scan_container(container, needles)
             checked += inside.locations_checked
-            hits += [f"container:{h.location}@{h.offset}" for h in inside.hits]
+            for h in inside.hits:
+                # Only the workspace is the environment; anything else inside the container is a leak.
+                (env_hits if "/sandbox/" in h.location else hits).append(f"{h.location}@{h.offset}")
         # The agent's engine cache and working memory, as the context text it holds after the replay.
         checked += 1
-        hits += ["agent:engine-context"] * sum(req.engine_context.count(n.decode("utf-8", "ignore"))
-                                               for n in needles[:1])
-        return {"locations_checked": checked, "hits": len(hits), "where": hits[:20]}
+        if any(n.decode("utf-8", "ignore") in req.engine_context for n in needles[:1]):
+            hits.append("agent:engine-context")
+        return {"locations_checked": checked, "hits": len(hits), "where": hits[:20],
+                "environment_hits": len(env_hits), "environment_where": env_hits[:20]}
 
     def _report(self, row: dict[str, Any], req: p.CommitRevocationRequest, splice: p.CheckpointRecord,
                 effects: Any, leak: dict[str, Any]) -> p.RevocationReport:
@@ -225,6 +254,9 @@ class RevocationOperator:
         for key in ("reexecuted", "reused", "shadowed", "deduplicated"):
             counts.setdefault(key, 0)
         not_erased = [f"external effect {cid} already fired (orphaned: compensate it)" for cid in effects.orphaned]
+        if leak["environment_hits"]:
+            not_erased.append(f"the target is in the sandbox's own files ({leak['environment_hits']} places), "
+                              "which the counterfactual world holds too: a replay does not rewrite the environment")
         return p.RevocationReport(
             revocation_id=row["revocation_id"], session=row["session_id"], source=row["source"], tau=row["tau"],
             T=req.final_step, T_original=row["T"], taint_closure=json.loads(row["closure"]),
@@ -256,6 +288,17 @@ class RevocationOperator:
             if checkpoint.checkpoint_id == checkpoint_id:
                 return checkpoint
         raise NotFound(f"checkpoint {checkpoint_id} of {sid} is gone", checkpoint_id=checkpoint_id)
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """`value` with `fn` applied to every string inside it."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    return value
 
 
 def _info(row: dict[str, Any]) -> p.RevocationInfo:
