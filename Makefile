@@ -37,8 +37,10 @@ pytest: $(STAMP) image
 	$(PY) -m pytest -q -ra
 
 bench: $(STAMP) image
-	$(PY) benchmarks/bench_calls.py
-	$(PY) benchmarks/bench_snapshots.py
+	$(PY) -m benchmarks.bench_calls
+	$(PY) -m benchmarks.bench_snapshots
+	$(PY) benchmarks/bench_firewall.py
+	$(PY) -m benchmarks.bench_revocation
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

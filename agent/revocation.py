@@ -9,6 +9,9 @@ ones in shadow mode. What it cost is metered by the backend and sent with the co
 
 from __future__ import annotations
 
+import secrets
+from typing import Any
+
 from agent.runtime import AgentSession, Exogenous
 from sandboxd import protocol as p
 
@@ -18,7 +21,7 @@ def apply_pending(session: AgentSession) -> list[p.RevocationReport]:
     return [apply(session, info.revocation_id) for info in session.client.pending_revocations(session.session_id)]
 
 
-def apply(session: AgentSession, revocation_id: str) -> p.RevocationReport:
+def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = False) -> p.RevocationReport:
     """Replay the session from the splice checkpoint without the revoked input; returns the daemon's report."""
     session.flush()
     plan = session.client.begin_revocation(revocation_id)
@@ -40,10 +43,27 @@ def apply(session: AgentSession, revocation_id: str) -> p.RevocationReport:
         "deduplicated": sum(1 for r in made if r.deduplicated),
     }
     final_step = session.step
+    notes = _forget_server_cache(session, flush_cache)
     return session.client.commit_revocation(p.CommitRevocationRequest(
         request_id=session.client._rid(), revocation_id=revocation_id,
         tokens=p.TokenCounts(reused_prefix=plan.checkpoint.token_offset, prefilled=used.prefilled,
                              decoded=used.decoded, full_reset=len(session.backend)),
         transitions_replayed=final_step - plan.checkpoint.step, final_step=final_step, answer=session.answer(),
         call_counts=counts, engine_context=session.backend.detokenize(session.backend.token_ids()),
+        agent_notes=notes,
     ))
+
+
+def _forget_server_cache(session: AgentSession, flush: bool) -> list[str]:
+    """A remote radix cache still holds the old suffix: never be served it again, or flush it."""
+    backend: Any = session.backend
+    if not hasattr(backend, "set_cache_salt"):
+        return []  # the local engine's cache was cropped: the old suffix's keys and values are gone
+    if flush:
+        backend.flush_cache()
+        return []
+    # Rotated after the replay, not before: the replay itself still reuses the clean prefix; the next
+    # request pays one recompute under the new salt.
+    backend.set_cache_salt(secrets.token_hex(8))
+    return ["SGLang radix-cache entries of the old suffix stay on the server until evicted; the agent "
+            "rotated its cache_salt so they are never served again (pass flush_cache to flush them)"]

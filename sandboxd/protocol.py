@@ -8,7 +8,7 @@ strict: an unknown type, a missing or ill-typed field, an unknown field or an ov
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -244,7 +244,8 @@ class CallRequest(_Request):
     tool: str
     args: dict[str, Any]
     call_id: str | None = None
-    timeout_s: float | None = None
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Seconds before the call is killed; NaN, zero and negatives are refused as invalid_field."""
     clock: float | None = None
     """Virtual wall-clock time (Unix seconds) the tool sees; replay passes the recorded one."""
     mode: Literal["live", "shadow"] = "live"
@@ -355,6 +356,8 @@ class CommitRevocationRequest(_Request):
     """The agent's view of its replayed calls: reexecuted, deduplicated, shadowed."""
     engine_context: str = ""
     """The agent's context after the replay (its engine cache and memory), scanned for the target."""
+    agent_notes: list[str] = []
+    """What the agent could not erase itself (an SGLang radix cache keeps entries until evicted)."""
 
 
 class RevocationStatusRequest(_Request):

@@ -254,6 +254,7 @@ class RevocationOperator:
         for key in ("reexecuted", "reused", "shadowed", "deduplicated"):
             counts.setdefault(key, 0)
         not_erased = [f"external effect {cid} already fired (orphaned: compensate it)" for cid in effects.orphaned]
+        not_erased += req.agent_notes
         if leak["environment_hits"]:
             not_erased.append(f"the target is in the sandbox's own files ({leak['environment_hits']} places), "
                               "which the counterfactual world holds too: a replay does not rewrite the environment")
