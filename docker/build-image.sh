@@ -3,8 +3,9 @@
 # sources (mmdebstrap with no mirror argument), import it as the base image, then build the tool
 # image FROM it. Does nothing when the image already exists (FORCE=1 rebuilds).
 set -euo pipefail
-IMAGE=${IMAGE:-sandboxd-tool:bookworm}
-BASE=${BASE:-sandboxd-base:bookworm}
+# Keep in step with DEFAULT_IMAGE in sandboxd/config.py; bump the tag when the image contents change.
+IMAGE=${IMAGE:-sandboxd-tool:bookworm-v2}
+BASE=${BASE:-sandboxd-base:bookworm-v2}
 SUITE=${SUITE:-bookworm}
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -20,8 +21,8 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1 || [[ -n ${FORCE:-} ]]; then
   fi
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  echo "bootstrapping a $SUITE root filesystem (python3) from the host's apt sources"
-  mmdebstrap --quiet --variant=apt --include=python3 "$SUITE" "$tmp/rootfs.tar"
+  echo "bootstrapping a $SUITE root filesystem (python3, libfaketime) from the host's apt sources"
+  mmdebstrap --quiet --variant=apt --include=python3,libfaketime "$SUITE" "$tmp/rootfs.tar"
   docker import "$tmp/rootfs.tar" "$BASE" >/dev/null
 fi
 echo "building $IMAGE FROM $BASE"

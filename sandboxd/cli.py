@@ -1,4 +1,8 @@
-"""`sandboxd`: the daemon and its operator commands. Every client command takes --endpoint and --json."""
+"""`sandboxd`: the daemon and its operator commands.
+
+Every client command takes --endpoint and --json, and for a tcp:// daemon --server-key (the daemon's
+NAME.key) and --client-key (this client's NAME.key_secret; see `sandboxd keys`).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from sandboxd.auth import KeyFileError, generate_keys
 from sandboxd.client import Client
 from sandboxd.config import load_config
 from sandboxd.errors import SandboxdError
@@ -34,9 +39,21 @@ def _table(rows: list[list[str]]) -> str:
 def cmd_serve(args: argparse.Namespace) -> None:
     from sandboxd.daemon import run
 
-    config = load_config(args.config, state_dir=args.state_dir, endpoint=args.endpoint, image=args.image,
-                         snapshot_backend=args.snapshot_backend)
+    try:
+        config = load_config(args.config, state_dir=args.state_dir, endpoint=args.endpoint, image=args.image,
+                             snapshot_backend=args.snapshot_backend)
+    except ValueError as exc:  # KeyFileError included: say which file, not a traceback
+        raise SystemExit(f"sandboxd serve: {exc}") from exc
     run(config, verbose=args.verbose)
+
+
+def cmd_keys(args: argparse.Namespace) -> None:
+    try:
+        public_path, secret_path = generate_keys(args.dir, args.name, force=args.force)
+    except KeyFileError as exc:
+        raise SystemExit(f"sandboxd keys: {exc}") from exc
+    print(f"public key: {public_path}  (give to the daemon: client_keys_dir / operator_keys / --server-key)")
+    print(f"secret key: {secret_path}  (mode 0600; keep it: --client-key / server_secret_key_file)")
 
 
 def cmd_health(args: argparse.Namespace, client: Client) -> None:
@@ -169,6 +186,10 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--endpoint", help="daemon endpoint (default: ipc socket in the state directory)")
     common.add_argument("--json", action="store_true", help="print JSON")
     common.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the daemon's reply")
+    common.add_argument("--server-key", type=Path, metavar="FILE",
+                        help="tcp:// daemons: the daemon's public key file (NAME.key), pinned")
+    common.add_argument("--client-key", type=Path, metavar="FILE",
+                        help="tcp:// daemons: this client's secret key file (NAME.key_secret)")
 
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", type=Path, help="TOML configuration file")
@@ -178,6 +199,12 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--snapshot-backend", choices=["overlay", "copy"])
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=cmd_serve, client=False)
+
+    keys = sub.add_parser("keys", help="make a CURVE keypair: DIR/NAME.key (public), DIR/NAME.key_secret (0600)")
+    keys.add_argument("--dir", type=Path, required=True, help="where to write the two files")
+    keys.add_argument("--name", required=True, help="base name of the files, e.g. server or agent-a")
+    keys.add_argument("--force", action="store_true", help="replace existing files")
+    keys.set_defaults(func=cmd_keys, client=False)
 
     def add(name: str, func: Callable[..., None], help_text: str) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, parents=[common], help=help_text)
@@ -235,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
         return
     try:
-        with Client(args.endpoint, timeout_s=args.wait) as client:
+        with _client(args) as client:
             args.func(args, client)
     except SandboxdError as exc:
         if args.json:
@@ -244,6 +271,17 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(f"sandboxd: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
+
+
+def _client(args: argparse.Namespace) -> Client:
+    if (args.server_key is None) != (args.client_key is None):
+        raise SystemExit("sandboxd: --server-key and --client-key go together")
+    if args.server_key is None:
+        return Client(args.endpoint, timeout_s=args.wait)
+    try:
+        return Client.with_key_files(args.endpoint, args.server_key, args.client_key, timeout_s=args.wait)
+    except KeyFileError as exc:
+        raise SystemExit(f"sandboxd: {exc}") from exc
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
-"""The Python client: the daemon's operations for programs, over a ZeroMQ DEALER socket."""
+"""The Python client: the daemon's operations for programs, over a ZeroMQ DEALER socket.
+
+Over ipc:// nothing is needed beyond access to the socket file. A tcp:// daemon speaks only CURVE:
+pin its public key and present an allowlisted keypair (`Client.with_key_files`, or the CLI's
+`--server-key` / `--client-key`). A refused handshake is silent, so refusal shows as a timeout.
+"""
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
 
 from sandboxd import protocol as p
+from sandboxd.auth import read_public_key, read_secret_key
 from sandboxd.config import default_endpoint, default_state_dir
 from sandboxd.errors import ErrorCode, SandboxdError
 
@@ -33,11 +40,28 @@ class DaemonUnreachable(SandboxdError):
 class Client:
     """A connection to one daemon. Not thread-safe: use one client per thread."""
 
-    def __init__(self, endpoint: str | None = None, timeout_s: float = 120.0) -> None:
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 120.0, *,
+                 server_public_key: str | bytes | None = None, public_key: str | bytes | None = None,
+                 secret_key: str | bytes | None = None) -> None:
         self.endpoint = endpoint or default_endpoint(default_state_dir())
         self.timeout_ms = int(timeout_s * 1000)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
+        self._curve: tuple[bytes, bytes, bytes] | None = None
+        if server_public_key is not None:
+            if secret_key is None:
+                raise ValueError("CURVE needs the client's secret key as well as the server's public key")
+            secret = _key_bytes(secret_key)
+            public = _key_bytes(public_key) if public_key is not None else zmq.curve_public(secret)
+            self._curve = (_key_bytes(server_public_key), public, secret)
+
+    @classmethod
+    def with_key_files(cls, endpoint: str | None, server_key_file: Path, client_key_file: Path,
+                       timeout_s: float = 120.0) -> Client:
+        """A CURVE client: the daemon's NAME.key pinned, this client's NAME.key_secret presented."""
+        public, secret = read_secret_key(client_key_file)
+        return cls(endpoint, timeout_s, server_public_key=read_public_key(server_key_file), public_key=public,
+                   secret_key=secret)
 
     def __enter__(self) -> Client:
         return self
@@ -54,6 +78,11 @@ class Client:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                server, public, secret = self._curve
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
@@ -62,11 +91,22 @@ class Client:
         """Send one raw frame and return the next reply (for tests of malformed input)."""
         sock = self._socket()
         sock.send(frame)
-        if not sock.poll(timeout_ms if timeout_ms is not None else self.timeout_ms):
+        wait_ms = timeout_ms if timeout_ms is not None else self.timeout_ms
+        if not sock.poll(wait_ms):
             # The reply may still come; a fresh socket keeps a late answer from matching the next request.
             self.close()
-            raise DaemonUnreachable(f"no reply from {self.endpoint} within {self.timeout_ms / 1000:g}s")
+            raise DaemonUnreachable(f"no reply from {self.endpoint} within {wait_ms / 1000:g}s{self._hint()}")
         return p.decode_response(sock.recv(), max_frame=1 << 31)
+
+    def _hint(self) -> str:
+        """Why a tcp daemon may be silent: CURVE refusals drop the connection without a word."""
+        if self._curve is not None:
+            return ("; the daemon is down or refused this client's CURVE authentication (check that the "
+                    "client key is in its client_keys_dir and the server key is the daemon's own)")
+        if self.endpoint.startswith("tcp://"):
+            return ("; a tcp:// daemon requires CURVE authentication: give its public key and a client key "
+                    "(--server-key, --client-key)")
+        return ""
 
     def request(self, req: Any, expect: type[R]) -> R:
         """Send a request; return its typed reply or raise RemoteError for an error reply."""
@@ -204,3 +244,7 @@ class Client:
     def delete_snapshot(self, session_id: str, snapshot_id: str) -> None:
         req = p.DeleteSnapshotRequest(request_id=self._rid(), session_id=session_id, snapshot_id=snapshot_id)
         self.request(req, p.DeleteSnapshotResponse)
+
+
+def _key_bytes(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else key

@@ -13,10 +13,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from sandboxd.auth import ServerKeys
 from sandboxd.firewall.config import FirewallConfig
+from sandboxd.metrics import parse_metrics_address
 from sandboxd.protocol import DEFAULT_MAX_FRAME
 
-DEFAULT_IMAGE = "sandboxd-tool:bookworm"
+DEFAULT_IMAGE = "sandboxd-tool:bookworm-v2"
 
 
 def default_state_dir() -> Path:
@@ -57,12 +59,38 @@ class ToolLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
 
 
+class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """CURVE authentication of tcp:// clients (see `sandboxd.auth`); ipc:// peers are the local owner.
+
+    Relative paths in a config file are relative to the file's directory.
+    """
+
+    server_secret_key_file: Annotated[
+        str, msgspec.Meta(description="The daemon's NAME.key_secret (from `sandboxd keys`); mode 0600.")
+    ] = ""
+    client_keys_dir: Annotated[
+        str, msgspec.Meta(description="Allowlist: every *.key public key file in it may connect; read at "
+                                      "each connection, so deleting a file shuts that client out.")
+    ] = ""
+    operator_keys: Annotated[
+        list[str], msgspec.Meta(description="Public key files whose holders may connect and act on any "
+                                            "session (others act only on sessions they opened).")
+    ] = []
+
+    @property
+    def curve(self) -> bool:
+        """Whether CURVE is configured (a server key and an allowlist)."""
+        return bool(self.server_secret_key_file and self.client_keys_dir)
+
+
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything `sandboxd serve` needs; the defaults are a working set-up."""
 
     state_dir: Annotated[str, msgspec.Meta(description="SQLite state, snapshot layers, sockets.")] = ""
     endpoint: Annotated[
-        str, msgspec.Meta(description="ZeroMQ endpoint: ipc://PATH (default) or tcp://127.0.0.1:PORT.")
+        str, msgspec.Meta(description="ZeroMQ endpoint: ipc://PATH (default) or tcp://HOST:PORT, which needs "
+                                       "[auth] CURVE keys; a tcp daemon also serves the ipc socket of its "
+                                       "state directory for its owner.")
     ] = ""
     image: Annotated[str, msgspec.Meta(description="Tool image for sessions that name none.")] = DEFAULT_IMAGE
     max_frame_bytes: Annotated[
@@ -79,16 +107,32 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     detector: Annotated[
         str, msgspec.Meta(description="Injection detector run on observations: rules, none, or module:Class.")
     ] = "rules"
+    metrics_address: Annotated[
+        str, msgspec.Meta(description="HOST:PORT of the Prometheus /metrics endpoint, e.g. 127.0.0.1:9464; "
+                                       "empty (default): no endpoint.")
+    ] = ""
+    metrics_allow_remote: Annotated[
+        bool, msgspec.Meta(description="Allow a non-loopback metrics_address. The endpoint has no authentication: "
+                                       "expose it only behind a proxy that adds some.")
+    ] = False
     sandbox: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
     tools: ToolLimits = msgspec.field(default_factory=ToolLimits)
     firewall: Annotated[
         FirewallConfig,
         msgspec.Meta(description="Effect adapters of external tools and their release policies (none by default)."),
     ] = msgspec.field(default_factory=FirewallConfig)
+    auth: Annotated[
+        AuthConfig, msgspec.Meta(description="CURVE keys for tcp:// endpoints and the operators' keys."),
+    ] = msgspec.field(default_factory=AuthConfig)
 
     @property
     def state_path(self) -> Path:
         return Path(self.state_dir)
+
+    @property
+    def local_endpoint(self) -> str:
+        """The owner-only ipc endpoint: the configured one, or the state directory's beside a tcp one."""
+        return self.endpoint if self.endpoint.startswith("ipc://") else default_endpoint(self.state_path)
 
 
 def load_config(path: Path | None = None, **overrides: object) -> DaemonConfig:
@@ -102,12 +146,38 @@ def load_config(path: Path | None = None, **overrides: object) -> DaemonConfig:
         config = msgspec.convert(raw, DaemonConfig, strict=False)
     except (msgspec.ValidationError, ValueError) as exc:
         raise ValueError(f"invalid configuration: {exc}") from exc
+    if path is not None:
+        _anchor_key_paths(config.auth, path.parent)
     if not config.state_dir:
         config.state_dir = str(default_state_dir())
     config.state_dir = str(Path(config.state_dir).resolve())
     if not config.endpoint:
         config.endpoint = default_endpoint(config.state_path)
-    if config.endpoint.startswith("tcp://") and not config.endpoint.startswith(("tcp://127.", "tcp://[::1]")):
-        # CURVE authentication is not in place yet, so a non-loopback bind would be an open door.
-        raise ValueError(f"refusing to bind {config.endpoint}: only loopback TCP endpoints are allowed")
+    _check_endpoint(config)
+    if config.metrics_address:
+        parse_metrics_address(config.metrics_address, config.metrics_allow_remote)  # refuse it at start-up
     return config
+
+
+def _anchor_key_paths(auth: AuthConfig, base: Path) -> None:
+    """Key paths in a config file are relative to that file, wherever the daemon is started from."""
+    def anchored(name: str) -> str:
+        return str(base / Path(name).expanduser()) if name else name
+
+    auth.server_secret_key_file = anchored(auth.server_secret_key_file)
+    auth.client_keys_dir = anchored(auth.client_keys_dir)
+    auth.operator_keys = [anchored(f) for f in auth.operator_keys]
+
+
+def _check_endpoint(config: DaemonConfig) -> None:
+    """ipc:// or tcp://, and tcp:// only with working CURVE keys."""
+    endpoint = config.endpoint
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"endpoint {endpoint!r} must be ipc://PATH or tcp://HOST:PORT")
+    if not endpoint.startswith("tcp://"):
+        return
+    if not config.auth.curve:
+        # Not even on loopback: any local user (off loopback, anyone) could connect and act as any agent.
+        raise ValueError(f"refusing to bind {endpoint} without CURVE authentication: set [auth] "
+                         "server_secret_key_file and client_keys_dir (make keys with `sandboxd keys`)")
+    ServerKeys.load(config.auth)  # fail at start-up, naming the bad file, not at the first client

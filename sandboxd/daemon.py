@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from sandboxd.config import DaemonConfig
+from sandboxd.metrics import MetricsServer, parse_metrics_address
 from sandboxd.sandbox.containers import ContainerManager
 from sandboxd.server import Server
 from sandboxd.service import SandboxService
@@ -23,7 +24,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {"ts": round(time.time(), 3), "level": record.levelname.lower(),
                                  "msg": record.getMessage()}
-        for key in ("session_id", "call_id", "request_id"):
+        for key in ("session_id", "call_id", "request_id", "peer_key", "peer_address"):
             if hasattr(record, key):
                 entry[key] = getattr(record, key)
         if record.exc_info:
@@ -58,9 +59,16 @@ def run(config: DaemonConfig, verbose: bool = False) -> None:
     config.state_path.mkdir(parents=True, exist_ok=True)
     setup_logging(config, verbose)
     service, server = build(config)
+    metrics = None
+    if config.metrics_address:
+        host, port = parse_metrics_address(config.metrics_address, config.metrics_allow_remote)
+        metrics = MetricsServer(host, port, service.metrics.registry)
+        metrics.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     try:
         server.serve_forever()
     finally:
+        if metrics is not None:
+            metrics.stop()  # before the state closes: a scrape reads it
         service.state.close()

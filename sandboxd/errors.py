@@ -38,6 +38,7 @@ class ErrorCode(enum.StrEnum):
     CALL_UNKNOWN = "call_unknown"
     INVALID_STATE = "invalid_state"
     TOOL_ERROR = "tool_error"
+    UNAUTHORIZED = "unauthorized"
     INTERNAL = "internal"
 
 
@@ -255,3 +256,19 @@ class BranchStateError(SandboxdError):
 
     def __init__(self, lineage: str, branch: str | None, reason: str) -> None:
         super().__init__(f"lineage {lineage!r}: {reason}", lineage=lineage, branch=branch, reason=reason)
+
+
+# Authentication ------------------------------------------------------------------------------
+
+
+class Unauthorized(SandboxdError):
+    """The peer is neither the session's owner nor an operator (session_id None: an operator-only request)."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+    def __init__(self, session_id: str | None, request: str = "") -> None:
+        if session_id is None:
+            message = f"{request} is for operators only"
+        else:
+            message = f"session {session_id!r} belongs to another client; only its owner or an operator may use it"
+        super().__init__(message, session_id=session_id, request=request)

@@ -629,6 +629,8 @@ def _decode(frame: bytes, types: dict[str, type[Any]], max_frame: int) -> Any:
         raw = _raw_decoder.decode(frame)
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"not a MessagePack frame: {exc}") from exc
+    except RecursionError as exc:  # a few bytes per level: a small frame can nest deeper than the stack
+        raise ProtocolError(ErrorCode.BAD_FRAME, "frame nests too deeply") from exc
     if not isinstance(raw, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, f"frame must be a map, got {type(raw).__name__}")
     kind = raw.get("type")
@@ -663,6 +665,6 @@ def request_id_of(frame: bytes) -> str:
     """Best-effort request id of a frame that failed to decode, so the error reply can echo it."""
     try:
         raw = _raw_decoder.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return ""
     return _request_id(raw) if isinstance(raw, dict) else ""

@@ -1,8 +1,14 @@
-"""The daemon loop: receive -> decode -> handler for that type -> reply, over a ZeroMQ ROUTER.
+"""The daemon loop: receive -> decode -> handler for that type -> reply, over ZeroMQ ROUTER sockets.
 
-The socket thread owns the ROUTER (ZeroMQ sockets are not thread-safe). Cheap requests are answered
+The socket thread owns the ROUTERs (ZeroMQ sockets are not thread-safe). Cheap requests are answered
 inline; the rest go to a worker pool, whose threads hand their replies back through an inproc
-PUSH/PULL pair that the socket thread polls alongside the ROUTER.
+PUSH/PULL pair that the socket thread polls alongside the ROUTERs.
+
+There are one or two ROUTERs, and which one a request arrives on says who sent it (`sandboxd.auth`):
+the owner-only ipc socket, whose peer is the local owner, always; and with a tcp:// endpoint a CURVE
+socket, whose ZAP handler admits only allowlisted keys and whose peers are named by their key.
+Two sockets rather than one bound twice, so a peer's identity never rests on a frame lacking a
+User-Id.
 """
 
 from __future__ import annotations
@@ -10,12 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from sandboxd import protocol as p
+from sandboxd.auth import LOCAL_PEER, Peer, ServerKeys, ZapHandler
 from sandboxd.config import DaemonConfig
 from sandboxd.errors import ErrorCode, ProtocolError
 from sandboxd.service import SandboxService, error_response
@@ -25,8 +34,16 @@ log = logging.getLogger("sandboxd")
 _REPLIES = "inproc://sandboxd-replies"
 
 
+@dataclass
+class _Listener:
+    """One ROUTER and how to tell who sent a message on it (None: nobody we can name; drop it)."""
+
+    socket: zmq.Socket[bytes]
+    peer_of: Callable[[zmq.Frame], Peer | None]
+
+
 class Server:
-    """Serves one `SandboxService` on the configured endpoint until `stop()`."""
+    """Serves one `SandboxService` on the configured endpoints until `stop()`."""
 
     def __init__(self, config: DaemonConfig, service: SandboxService) -> None:
         self.config = config
@@ -34,57 +51,93 @@ class Server:
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="sandboxd-worker")
+        self.keys = ServerKeys.load(config.auth) if config.endpoint.startswith("tcp://") else None
 
     def stop(self) -> None:
         self._stop.set()
 
     def serve_forever(self) -> None:
         """Bind, then answer requests until stopped."""
+        zap = ZapHandler(self.ctx, self.keys) if self.keys is not None else None
+        listeners = [_Listener(self._bind_local(), lambda _frame: LOCAL_PEER)]
+        if self.keys is not None:
+            listeners.append(_Listener(self._bind_curve(self.keys), self._curve_peer))
+        replies = self.ctx.socket(zmq.PULL)
+        replies.bind(_REPLIES)
+        poller = zmq.Poller()
+        for listener in listeners:
+            poller.register(listener.socket, zmq.POLLIN)
+        poller.register(replies, zmq.POLLIN)
+        log.info("sandboxd serving on %s", ", ".join(sorted({self.config.local_endpoint, self.config.endpoint})))
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(200))
+                if replies in events:
+                    self._forward_replies(replies, listeners)
+                for index, listener in enumerate(listeners):
+                    while listener.socket in events and listener.socket.poll(0):
+                        self._receive(index, listener, listener.socket.recv_multipart(copy=False))
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._forward_replies(replies, listeners)
+            for listener in listeners:
+                listener.socket.close()
+            replies.close()
+            if zap is not None:
+                zap.stop()  # only now: a CURVE socket without its ZAP handler would admit anyone
+            self.ctx.term()
+
+    def _router(self) -> zmq.Socket[bytes]:
         router = self.ctx.socket(zmq.ROUTER)
         # A hard ceiling well above the configured limit: frames between the two get a
         # frame_too_large reply, anything larger is dropped by ZeroMQ before it costs memory.
         router.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes * 4 + 4096)
         router.setsockopt(zmq.LINGER, 0)
-        self._bind(router)
-        replies = self.ctx.socket(zmq.PULL)
-        replies.bind(_REPLIES)
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(replies, zmq.POLLIN)
-        log.info("sandboxd serving on %s", self.config.endpoint)
+        return router
+
+    def _bind_local(self) -> zmq.Socket[bytes]:
+        """The ipc socket: its file mode is the authentication, so it is owner-only from birth."""
+        router = self._router()
+        endpoint = self.config.local_endpoint
+        path = Path(endpoint[len("ipc://"):])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        old = os.umask(0o077)  # the socket is born owner-only; no window where others may connect
         try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(200))
-                if replies in events:
-                    while replies.poll(0):
-                        router.send_multipart(replies.recv_multipart())
-                if router in events:
-                    while router.poll(0):
-                        self._receive(router, router.recv_multipart())
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            while replies.poll(0):
-                router.send_multipart(replies.recv_multipart())
-            router.close()
-            replies.close()
-            self.ctx.term()
-
-    def _bind(self, router: zmq.Socket[bytes]) -> None:
-        endpoint = self.config.endpoint
-        if endpoint.startswith("ipc://"):
-            path = Path(endpoint[len("ipc://"):])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            old = os.umask(0o077)  # the socket is born owner-only; no window where others may connect
-            try:
-                router.bind(endpoint)
-            finally:
-                os.umask(old)
-            os.chmod(path, 0o600)
-        else:
             router.bind(endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        return router
 
-    def _receive(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        envelope, payload = frames[:-1], frames[-1]
+    def _bind_curve(self, keys: ServerKeys) -> zmq.Socket[bytes]:
+        """The tcp socket: CURVE-encrypted, and only keys the ZAP handler admits get through."""
+        router = self._router()
+        router.setsockopt(zmq.CURVE_SERVER, 1)
+        router.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode())
+        router.setsockopt(zmq.ZAP_DOMAIN, b"sandboxd")
+        router.bind(self.config.endpoint)
+        log.info("CURVE on %s, server key %s", self.config.endpoint, keys.public)
+        return router
+
+    def _curve_peer(self, frame: zmq.Frame) -> Peer | None:
+        key = frame.get("User-Id")  # our ZAP handler sets it to the client's z85 public key
+        if not isinstance(key, str) or len(key) != 40:
+            return None
+        assert self.keys is not None
+        return Peer(key, operator=key in self.keys.operators)
+
+    def _forward_replies(self, replies: zmq.Socket[bytes], listeners: list[_Listener]) -> None:
+        while replies.poll(0):
+            index, *frames = replies.recv_multipart()
+            listeners[index[0]].socket.send_multipart(frames)
+
+    def _receive(self, index: int, listener: _Listener, frames: list[zmq.Frame]) -> None:
+        router = listener.socket
+        peer = listener.peer_of(frames[-1])
+        if peer is None:
+            log.error("dropped a message on %s from a peer without a CURVE key", self.config.endpoint)
+            return
+        envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].bytes
         if len(envelope) > 2 or (len(envelope) == 2 and envelope[1] != b""):
             bad = ProtocolError(ErrorCode.BAD_FRAME, "a request is exactly one message frame")
             router.send_multipart([envelope[0], p.encode(error_response(p.request_id_of(payload), bad))])
@@ -96,13 +149,13 @@ class Server:
             router.send_multipart([*envelope, p.encode(error_response(p.request_id_of(payload), exc))])
             return
         if isinstance(request, SandboxService.INLINE):
-            router.send_multipart([*envelope, p.encode(self.service.handle(request))])
+            router.send_multipart([*envelope, p.encode(self.service.handle(request, peer))])
         else:
-            self._pool.submit(self._work, envelope, request)
+            self._pool.submit(self._work, index, envelope, request, peer)
 
-    def _work(self, envelope: list[bytes], request: p.Request) -> None:
+    def _work(self, index: int, envelope: list[bytes], request: p.Request, peer: Peer) -> None:
         try:
-            reply = self.service.handle(request)
+            reply = self.service.handle(request, peer)
         except AssertionError:
             # A broken invariant: stop loudly rather than keep serving from a state we do not trust.
             log.critical("invariant broken; exiting", exc_info=True)
@@ -112,5 +165,5 @@ class Server:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 5000)
         push.connect(_REPLIES)
-        push.send_multipart([*envelope, p.encode(reply)])
+        push.send_multipart([bytes([index]), *envelope, p.encode(reply)])
         push.close()

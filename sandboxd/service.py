@@ -1,7 +1,8 @@
 """Request handlers: sessions, tool calls and snapshots, on top of containers, the store and SQLite.
 
 `SandboxService.handle` is the one error boundary: whatever a handler raises becomes an
-`ErrorResponse` with an enumerated code. Requests of one session are serialised by a per-session
+`ErrorResponse` with an enumerated code. It is also the one ownership check: a session is used only
+by the peer that opened it or by an operator (`sandboxd.auth`). Requests of one session are serialised by a per-session
 lock; different sessions run in parallel on the server's worker threads.
 """
 
@@ -19,6 +20,7 @@ import msgspec
 
 from sandboxd import __version__
 from sandboxd import protocol as p
+from sandboxd.auth import Peer
 from sandboxd.config import DaemonConfig
 from sandboxd.errors import (
     CallIdConflict,
@@ -36,11 +38,14 @@ from sandboxd.errors import (
     SnapshotNotFound,
     ToolError,
     ToolTimeout,
+    Unauthorized,
     UnknownSession,
+    UnknownTool,
     to_wire,
 )
 from sandboxd.firewall.handlers import FirewallHandlers
 from sandboxd.firewall.service import Firewall
+from sandboxd.metrics import DaemonMetrics
 from sandboxd.provenance.handlers import ProvenanceHandlers
 from sandboxd.provenance.store import ProvenanceStore
 from sandboxd.revocation.detector import load_detector
@@ -79,14 +84,13 @@ class SandboxService:
         self.provenance = ProvenanceStore(state.db, state.lock)
         self.revocations = RevocationOperator(self, self.provenance, load_detector(config.detector))
         self.provenance_handlers = ProvenanceHandlers(self, self.provenance, self.revocations.on_observation)
+        self.metrics = DaemonMetrics(self.firewall.stats, lambda: len(self.state.sessions()), self._effect_of)
         self.started = time.monotonic()
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self.handlers: dict[type[Any], Callable[[Any], p.Response]] = {
             p.HealthRequest: self.health,
-            p.OpenSessionRequest: self.open_session,
             p.CloseSessionRequest: self.close_session,
-            p.ListSessionsRequest: self.list_sessions,
             p.ListToolsRequest: self.list_tools,
             p.CallRequest: self.call,
             p.SnapshotRequest: self.snapshot,
@@ -97,24 +101,65 @@ class SandboxService:
             **self.provenance_handlers.handlers(),
             **self.revocations.handlers(),
         }
+        #: requests whose answer depends on who asks: the owner of a new session, whose sessions to list
+        self.peer_handlers: dict[type[Any], Callable[[Any, Peer], p.Response]] = {
+            p.OpenSessionRequest: self.open_session,
+            p.ListSessionsRequest: self.list_sessions,
+        }
 
     #: requests cheap enough to answer on the socket thread
     INLINE = (p.HealthRequest, p.ListToolsRequest, p.ListSessionsRequest, p.ListSnapshotsRequest,
               p.ListCallsRequest, p.OutboxRequest, p.PendingRevocationsRequest, p.RevocationStatusRequest)
 
-    def handle(self, request: p.Request) -> p.Response:
-        """Run the handler for this request type; every failure becomes an ErrorResponse."""
+    #: requests on the firewall's shared outbox: releasing a 'manual' hold is the operator's decision
+    OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest)
+
+    def handle(self, request: p.Request, peer: Peer) -> p.Response:
+        """Check `peer` may make this request, run its handler; every failure becomes an ErrorResponse."""
+        started = time.perf_counter()
+        reply = self._serve(request, peer)
+        self.metrics.observe(request, reply, time.perf_counter() - started)
+        return reply
+
+    def _serve(self, request: p.Request, peer: Peer) -> p.Response:
+        """`handle` but for the metrics: the error boundary itself."""
         try:
+            self.authorize(request, peer)
+            if (for_peer := self.peer_handlers.get(type(request))) is not None:
+                return for_peer(request, peer)
             return self.handlers[type(request)](request)
         except SandboxdError as exc:
-            log.info("request %s failed: %s", request.request_id, exc)
+            log.info("request %s failed: %s", request.request_id, exc, extra=log_ids(request, peer, exc))
             return error_response(request.request_id, exc)
         except AssertionError:
-            log.critical("broken invariant while serving %r", request, exc_info=True)
+            log.critical("broken invariant while serving %r", request, exc_info=True,
+                         extra=log_ids(request, peer))
             raise
         except Exception as exc:
-            log.exception("internal error serving %s", type(request).__name__)
+            log.exception("internal error serving %s", type(request).__name__, extra=log_ids(request, peer))
             return error_response(request.request_id, exc)
+
+    def authorize(self, request: p.Request, peer: Peer) -> None:
+        """The one ownership check: a request naming a session, or a revocation of one, is its owner's."""
+        if peer.operator:
+            return
+        if isinstance(request, self.OPERATOR_ONLY) or (isinstance(request, p.OutboxRequest)
+                                                       and request.session_id is None):
+            raise Unauthorized(None, type(request).__name__)
+        session_id = getattr(request, "session_id", None)
+        if session_id is None and isinstance(revocation_id := getattr(request, "revocation_id", None), str):
+            session_id = self.state.revocation_session(revocation_id)
+        row = self.state.session(session_id) if session_id is not None else None
+        # An unknown id passes through to its handler's unknown_session: ids are random, so that reveals nothing.
+        if row is not None and row["owner"] != peer.key:
+            raise Unauthorized(session_id)
+
+    def _effect_of(self, tool: str) -> str | None:
+        """The effect class of a registered tool, None for a name no tool has."""
+        try:
+            return self.tools.get(tool).effect
+        except UnknownTool:
+            return None
 
     def session_lock(self, session_id: str) -> threading.Lock:
         with self._locks_guard:
@@ -141,12 +186,12 @@ class SandboxService:
                                 open_sessions=len(self.state.sessions()),
                                 uptime_s=time.monotonic() - self.started)
 
-    def open_session(self, req: p.OpenSessionRequest) -> p.OpenSessionResponse:
+    def open_session(self, req: p.OpenSessionRequest, peer: Peer) -> p.OpenSessionResponse:
         session_id = "s-" + uuid.uuid4().hex[:12]
         image = req.image or self.config.image
         if not self.containers.image_exists(image):
             raise NotFound(f"image {image!r} not found on the Docker engine", image=image)
-        self.state.add_session(session_id, image)
+        self.state.add_session(session_id, image, owner=peer.key)
         with self.session_lock(session_id):
             try:
                 root = self.store.create(session_id, self.containers.owner())
@@ -158,7 +203,7 @@ class SandboxService:
             self.state.update_session(session_id, state="open", container_id=container_id)
             for value in req.forget:
                 self.revocations.forget(session_id, value)
-        log.info("session %s opened on %s", session_id, image)
+        log.info("session %s opened on %s", session_id, image, extra=log_ids(req, peer, session_id=session_id))
         return p.OpenSessionResponse(request_id=req.request_id, session=self._info(session_id))
 
     def close_session(self, req: p.CloseSessionRequest) -> p.CloseSessionResponse:
@@ -175,16 +220,16 @@ class SandboxService:
             self.state.delete_calls_of(req.session_id)
             self.state.update_session(req.session_id, state="closed", closed_at=time.time())
             self.state.purge()
-        log.info("session %s closed", req.session_id)
+        log.info("session %s closed", req.session_id, extra=log_ids(req, None))
         return p.CloseSessionResponse(request_id=req.request_id, session_id=req.session_id)
 
     def _teardown(self, session_id: str) -> None:
         self.containers.remove(session_id)
         self.store.destroy(session_id)
 
-    def list_sessions(self, req: p.ListSessionsRequest) -> p.ListSessionsResponse:
+    def list_sessions(self, req: p.ListSessionsRequest, peer: Peer) -> p.ListSessionsResponse:
         states = ("open", "closed", "failed") if req.include_closed else ("open",)
-        rows = self.state.sessions(states)
+        rows = self.state.sessions(states, owner=None if peer.operator else peer.key)
         return p.ListSessionsResponse(request_id=req.request_id, sessions=[_session_info(r) for r in rows])
 
     def _info(self, session_id: str) -> p.SessionInfo:
@@ -224,8 +269,10 @@ class SandboxService:
                 status = "timeout" if isinstance(exc, ToolTimeout) else "error"
                 self.state.finish_call(req.session_id, call_id, status, {"kind": "error", "code": code.value,
                                                          "message": message, "details": details})
+                log.info("call %s of %s: %s", call_id, req.tool, status, extra=log_ids(req, None, call_id=call_id))
                 raise
             self.state.finish_call(req.session_id, call_id, "done", {"kind": "result", **msgspec.to_builtins(result)})
+            log.debug("call %s of %s: done", call_id, req.tool, extra=log_ids(req, None, call_id=call_id))
         return p.CallResponse(request_id=req.request_id, result=result)
 
     def _sanitized(self, session_id: str, result: p.CallResult) -> p.CallResult:
@@ -258,7 +305,7 @@ class SandboxService:
         payload = executor_request(req.tool, req.args)
         payload.update(timeout=timeout, output_bytes=limits.output_bytes, max_bytes=limits.read_bytes)
         if req.clock is not None:
-            payload["env"] = {"SANDBOXD_CLOCK": repr(req.clock)}
+            payload["clock"] = req.clock
         started = time.monotonic()
         reply = self._executor(req.session_id, payload, timeout + 10.0)
         if "error" in reply:
@@ -298,11 +345,12 @@ class SandboxService:
     def _take_snapshot(self, session_id: str, label: str | None) -> dict[str, Any]:
         """Freeze the sandbox (caller holds the session lock); the sandbox then equals this snapshot."""
         snapshot_id = "snap-" + uuid.uuid4().hex[:12]
-        self._quiesce(session_id)
-        try:
-            taken = self.store.take(session_id, snapshot_id)
-        except (SnapshotError, OSError) as exc:
-            raise SnapshotFailed(f"snapshot of {session_id} failed: {exc}") from exc
+        with self.metrics.timed("snapshot"):
+            self._quiesce(session_id)
+            try:
+                taken = self.store.take(session_id, snapshot_id)
+            except (SnapshotError, OSError) as exc:
+                raise SnapshotFailed(f"snapshot of {session_id} failed: {exc}") from exc
         row = {"snapshot_id": snapshot_id, "session_id": session_id, "label": label,
                "created_at": taken.record.created_at, "layers": len(taken.record.layers),
                "elapsed_ms": taken.elapsed_ms}
@@ -320,13 +368,16 @@ class SandboxService:
     def restore_snapshot(self, session_id: str, snapshot_id: str) -> float:
         """Restore (caller holds the session lock); returns milliseconds spent in the store."""
         self._own_snapshot(session_id, snapshot_id)
-        self._quiesce(session_id)
-        try:
-            done = self.store.restore(session_id, snapshot_id)
-        except UnknownSnapshot as exc:
-            raise SnapshotNotFound(snapshot_id, session_id) from exc
-        except (SnapshotError, OSError) as exc:
-            raise SnapshotFailed(f"restore of {snapshot_id} failed: {exc}") from exc
+        with self.metrics.timed("restore"):
+            self._quiesce(session_id)
+            # Until the restore is known to be done, no snapshot is known to equal the sandbox.
+            self.state.update_session(session_id, env_snapshot=None)
+            try:
+                done = self.store.restore(session_id, snapshot_id)
+            except UnknownSnapshot as exc:
+                raise SnapshotNotFound(snapshot_id, session_id) from exc
+            except (SnapshotError, OSError) as exc:
+                raise SnapshotFailed(f"restore of {snapshot_id} failed: {exc}") from exc
         self.state.update_session(session_id, env_snapshot=snapshot_id)
         return done.elapsed_ms
 
@@ -397,6 +448,7 @@ class SandboxService:
         for workspace in set(self.store.workspaces()) - live:
             log.warning("removing orphaned workspace %s", workspace)
             self.store.destroy(workspace)
+        self.revocations.recover()
 
     def _recover_session(self, row: dict[str, Any]) -> None:
         session_id = row["session_id"]
@@ -412,6 +464,19 @@ class SandboxService:
             container_id = self.containers.create(session_id, row["image"], self.store.mount_root(session_id),
                                                   self.store.propagation)
             self.state.update_session(session_id, container_id=container_id)
+
+
+def log_ids(request: p.Request, peer: Peer | None, error: SandboxdError | None = None,
+            **known: str) -> dict[str, str]:
+    """The ids a log line about `request` carries as JSON fields (see `JsonFormatter`)."""
+    ids = {"request_id": request.request_id, **known}
+    if peer is not None:
+        ids["peer_key"] = peer.key
+    for key in ("session_id", "call_id"):
+        value = ids.get(key) or getattr(request, key, None) or (error.details.get(key) if error else None)
+        if isinstance(value, str):
+            ids[key] = value
+    return ids
 
 
 def error_response(request_id: str, error: BaseException) -> p.ErrorResponse:

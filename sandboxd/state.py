@@ -45,8 +45,9 @@ class StateStore:
         with self.transaction():
             self.db.table("sessions").create(
                 {"session_id": str, "image": str, "state": str, "created_at": float, "closed_at": float,
-                 "container_id": str, "env_snapshot": str},
-                pk="session_id", if_not_exists=True, not_null={"image", "state", "created_at"},
+                 "container_id": str, "env_snapshot": str, "owner": str},
+                # owner: the opener's CURVE public key, or "local" for the ipc socket's owner
+                pk="session_id", if_not_exists=True, not_null={"image", "state", "created_at", "owner"},
             )
             self.db.table("calls").create(
                 {"call_id": str, "session_id": str, "seq": int, "tool": str, "args": str, "effect": str,
@@ -90,9 +91,9 @@ class StateStore:
 
     # Sessions ----------------------------------------------------------------------------------
 
-    def add_session(self, session_id: str, image: str) -> dict[str, Any]:
+    def add_session(self, session_id: str, image: str, owner: str) -> dict[str, Any]:
         row = {"session_id": session_id, "image": image, "state": "opening", "created_at": time.time(),
-               "closed_at": None, "container_id": None}
+               "closed_at": None, "container_id": None, "owner": owner}
         with self.transaction() as db:
             db.table("sessions").insert(row)
         return row
@@ -106,11 +107,20 @@ class StateStore:
             rows = list(self.db.table("sessions").rows_where("session_id = ?", [session_id]))
         return rows[0] if rows else None
 
-    def sessions(self, states: tuple[str, ...] = ("open",)) -> list[dict[str, Any]]:
-        marks = ",".join("?" for _ in states)
+    def sessions(self, states: tuple[str, ...] = ("open",), owner: str | None = None) -> list[dict[str, Any]]:
+        """Sessions in these states, oldest first; only `owner`'s when one is given."""
+        where, params = f"state in ({','.join('?' for _ in states)})", list(states)
+        if owner is not None:
+            where, params = where + " AND owner = ?", [*params, owner]
         with self.lock:
-            return list(self.db.table("sessions").rows_where(f"state in ({marks})", list(states),
-                                                       order_by="created_at"))
+            return list(self.db.table("sessions").rows_where(where, params, order_by="created_at"))
+
+    def revocation_session(self, revocation_id: str) -> str | None:
+        """The session a revocation belongs to, if it exists."""
+        with self.lock:
+            row = self.conn.execute("SELECT session_id FROM revocations WHERE revocation_id = ?",
+                                    [revocation_id]).fetchone()
+        return row[0] if row else None
 
     # Calls -------------------------------------------------------------------------------------
 

@@ -49,6 +49,8 @@ _MS_SHARED = 1 << 20
 _MS_RDONLY = 1
 # Overlay option strings must fit in one page; stay clear of it.
 _MAX_OPTIONS = 3800
+# A restore's intent: the stack and the moved-away upper to put back if it is cut off.
+_RESTORING = "restoring.json"
 
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
@@ -154,10 +156,14 @@ class OverlaySnapshotStore(SnapshotStore):
         d = self._dir(workspace)
         _umount(str(self._ws(workspace)))
         trash = d / f"trash-{uuid.uuid4().hex[:8]}"
+        # Until the intent is gone, `recover` undoes the restore: a crash between dropping the upper and
+        # writing the new stack would otherwise remount the old stack without its upper, a mix of neither.
+        write_json_atomic(d / _RESTORING, {"stack": self._stack(workspace), "trash": trash.name})
         os.rename(d / "upper", trash)
         write_json_atomic(d / "stack.json", list(record.layers))
         self._fresh_upper(workspace, record.layers[0])
         self._mount_stack(workspace, list(record.layers))
+        (d / _RESTORING).unlink()
         shutil.rmtree(trash)
         return RestoreResult(workspace=workspace, snapshot_id=snapshot_id,
                              elapsed_ms=(time.monotonic() - started) * 1000)
@@ -188,6 +194,7 @@ class OverlaySnapshotStore(SnapshotStore):
         """Settle an interrupted take or restore, then make sure the workspace is mounted."""
         d = self._dir(workspace)
         _umount(str(self._ws(workspace)))
+        self._undo_restore(workspace)
         for path in self._records(workspace).glob("*.json"):
             record = self._load(path)
             if not (d / record.layers[0]).exists():
@@ -210,6 +217,22 @@ class OverlaySnapshotStore(SnapshotStore):
         self._collect_layers(workspace)
 
     # Internals ---------------------------------------------------------------------------------
+
+    def _undo_restore(self, workspace: str) -> None:
+        """A restore cut off before it finished: put the old stack and its upper back."""
+        d = self._dir(workspace)
+        if not (d / _RESTORING).exists():
+            return
+        with open(d / _RESTORING) as fh:
+            intent = json.load(fh)
+        trash = d / intent["trash"]
+        if trash.exists():  # the old upper was moved away; any upper now is the new, empty one
+            shutil.rmtree(d / "upper", ignore_errors=True)
+            os.rename(trash, d / "upper")
+            shutil.rmtree(d / "work", ignore_errors=True)
+            (d / "work").mkdir()
+        write_json_atomic(d / "stack.json", intent["stack"])
+        (d / _RESTORING).unlink()
 
     def _ensure_shared(self) -> None:
         point = str(self.mounts)
@@ -287,7 +310,7 @@ class OverlaySnapshotStore(SnapshotStore):
         live = set(self._stack(workspace))
         for record in self.list(workspace):
             live.update(record.layers)
-        fixed = {"upper", "work", "snapshots", "stack.json", "stack.json.tmp"}
+        fixed = {"upper", "work", "snapshots", "stack.json", "stack.json.tmp", _RESTORING}
         for entry in d.iterdir():
             if entry.name not in fixed and entry.name not in live and not entry.name.startswith("trash-"):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

@@ -210,6 +210,11 @@ class ProvenanceStore:
                                 [LIVE, session_id, branch])
         return dropped
 
+    def has_branch(self, session_id: str, branch: str) -> bool:
+        """Whether a replay branch still has rows of its own (not yet committed or abandoned)."""
+        return bool(self._rows("SELECT 1 FROM prov_artifacts WHERE session_id = ? AND branch = ? LIMIT 1",
+                               [session_id, branch]))
+
     def abandon_branch(self, session_id: str, branch: str) -> None:
         """Forget a replay branch that will not be committed."""
         with self.lock, self.db.atomic():

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from sandboxd import protocol as p
-from sandboxd.errors import InvalidArguments, InvalidState, NotFound
+from sandboxd.errors import InvalidArguments, InvalidState, NotFound, SandboxdError
 from sandboxd.provenance.store import ProvenanceStore
 from sandboxd.revocation.detector import InjectionDetector
 from sandboxd.revocation.fingerprint import RevokedFingerprint, excise, fingerprint
@@ -103,7 +103,9 @@ class RevocationOperator:
                "started_at": None}
         with self.state.transaction() as db:
             db.table("revocations").insert(row)
-        log.info("revocation %s of %s in %s raised by %s", row["revocation_id"], source, session_id, raised_by)
+        self.service.metrics.revocation("raised", raised_by)
+        log.info("revocation %s of %s in %s raised by %s", row["revocation_id"], source, session_id, raised_by,
+                 extra={"session_id": session_id})
         return _info(row), closure, last
 
     def on_observation(self, session_id: str, artifact: p.Artifact) -> None:
@@ -171,11 +173,8 @@ class RevocationOperator:
         sid, branch = row["session_id"], row["branch"]
         splice = self._checkpoint(sid, row["checkpoint_id"])
         with self.service.session_lock(sid):
-            effects = self.service.firewall.finish_replay(branch, commit=True)
-            self.provenance.commit_branch(sid, branch, splice)
-            self._drop_old_calls(sid, branch, splice)
-            self._scrub_calls(sid)
-            self.service.drop_unreferenced_checkpoint_snapshots(sid, self.provenance.checkpoints(sid))
+            self._set_state(req.revocation_id, "committing")  # from here a restart rolls forward
+            effects = self._commit_steps(sid, branch, splice)
             with self.state.transaction() as db:
                 # From here on the target exists only in this process's memory, for the scan below.
                 db.table("revocations").update(req.revocation_id, {"state": "committed", "target": None})
@@ -185,8 +184,70 @@ class RevocationOperator:
             with self.state.transaction() as db:
                 db.table("revocations").update(req.revocation_id, {
                     "state": "done", "report": msgspec.json.encode(report).decode()})
-        log.info("revocation %s committed: %d transitions replayed", req.revocation_id, req.transitions_replayed)
+        self.service.metrics.revocation("committed", row["raised_by"])
+        log.info("revocation %s committed: %d transitions replayed", req.revocation_id, req.transitions_replayed,
+                 extra={"session_id": sid, "request_id": req.request_id})
         return p.CommitRevocationResponse(request_id=req.request_id, report=report)
+
+    def _commit_steps(self, sid: str, branch: str, splice: p.CheckpointRecord) -> Any:
+        """The branch becomes the session. Each step is safe to repeat after a crash part-way through."""
+        effects: Any
+        try:
+            effects = self.service.firewall.finish_replay(branch, commit=True)
+        except SandboxdError:  # finished before a crash: its report is gone, its effect is not
+            effects = _NO_EFFECTS
+        if self.provenance.has_branch(sid, branch):
+            self.provenance.commit_branch(sid, branch, splice)
+        self._drop_old_calls(sid, branch, splice)
+        self._scrub_calls(sid)
+        self.service.drop_unreferenced_checkpoint_snapshots(sid, self.provenance.checkpoints(sid))
+        return effects
+
+    def _set_state(self, revocation_id: str, state: str) -> None:
+        with self.state.transaction() as db:
+            db.table("revocations").update(revocation_id, {"state": state})
+
+    # Recovery ----------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """After a restart no revocation is left half-replayed: roll back a replay, roll a commit forward."""
+        for row in self._rows("SELECT * FROM revocations WHERE state IN ('replaying', 'committing')", []):
+            if self.state.session(row["session_id"]) is None or not self._is_open(row["session_id"]):
+                continue
+            if row["state"] == "replaying":
+                self._roll_back(row)
+            else:
+                self._roll_forward(row)
+
+    def _is_open(self, sid: str) -> bool:
+        session = self.state.session(sid)
+        return session is not None and session["state"] == "open"
+
+    def _roll_back(self, row: dict[str, Any]) -> None:
+        """The replay died with its agent: drop its branch, put the sandbox back, wait for the agent again."""
+        sid = row["session_id"]
+        self._abandon(row)
+        live = self.provenance.checkpoints(sid)
+        if live and live[-1].snapshot_id:
+            self.service.restore_snapshot(sid, live[-1].snapshot_id)
+        with self.state.transaction() as db:
+            db.table("revocations").update(row["revocation_id"], {"state": "pending", "branch": None})
+        log.warning("revocation %s was replaying at a crash: rolled back, pending again", row["revocation_id"])
+
+    def _roll_forward(self, row: dict[str, Any]) -> None:
+        sid = row["session_id"]
+        self._commit_steps(sid, row["branch"], self._checkpoint(sid, row["checkpoint_id"]))
+        note = "completed after a daemon restart: the agent's token counts and the leak scan were lost"
+        report = p.RevocationReport(
+            revocation_id=row["revocation_id"], session=sid, source=row["source"], tau=row["tau"],
+            T=self.provenance.last_step(sid), T_original=row["T"], taint_closure=json.loads(row["closure"]),
+            checkpoint={"id": row["checkpoint_id"]}, tokens=p.TokenCounts(), transitions_replayed=0, calls={},
+            leak_scan={}, not_erased=[note], wall_ms=0.0, raised_by=row["raised_by"])
+        with self.state.transaction() as db:
+            db.table("revocations").update(row["revocation_id"], {
+                "state": "done", "target": None, "report": msgspec.json.encode(report).decode()})
+        self.state.purge()
+        log.warning("revocation %s was committing at a crash: rolled forward", row["revocation_id"])
 
     def _drop_old_calls(self, sid: str, branch: str, splice: p.CheckpointRecord) -> None:
         """Sandbox call records of the old suffix go; the branch's become the session's."""
@@ -211,7 +272,10 @@ class RevocationOperator:
         return text if clean == value else json.dumps(clean, sort_keys=True, separators=(",", ":"))
 
     def _abandon(self, row: dict[str, Any]) -> None:
-        self.service.firewall.finish_replay(row["branch"], commit=False)
+        try:
+            self.service.firewall.finish_replay(row["branch"], commit=False)
+        except SandboxdError:
+            pass  # already closed before a crash
         self.provenance.abandon_branch(row["session_id"], row["branch"])
         with self.state.transaction():
             self.state.conn.execute("DELETE FROM calls WHERE session_id = ? AND branch = ?",
@@ -289,6 +353,14 @@ class RevocationOperator:
             if checkpoint.checkpoint_id == checkpoint_id:
                 return checkpoint
         raise NotFound(f"checkpoint {checkpoint_id} of {sid} is gone", checkpoint_id=checkpoint_id)
+
+
+class _NoEffects(msgspec.Struct):
+    orphaned: list[str] = []
+    staged: list[str] = []
+
+
+_NO_EFFECTS = _NoEffects()
 
 
 def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:

@@ -128,7 +128,8 @@ class ContainerManager:
             return chan
 
     def ensure_running(self, session_id: str) -> bool:
-        """Start the session's container if it stopped; False when it no longer exists."""
+        """Start the session's container if it stopped, restart it if its executor does not answer;
+        False when it no longer exists."""
         try:
             container = self.client.containers.get(self.name(session_id))
         except docker.errors.NotFound:
@@ -137,6 +138,20 @@ class ContainerManager:
             self.channel(session_id).close()
             container.start()
             self._wait_ready(session_id, container)
+        elif not self._answers(session_id):
+            # Running but deaf: the executor serves one connection at a time and is still busy with a
+            # call whose daemon was killed (it would hold the session until that call's timeout).
+            # A restart kills the call and everything it started; the workspace is a bind mount.
+            self.channel(session_id).close()
+            container.restart(timeout=0)
+            self._wait_ready(session_id, container)
+        return True
+
+    def _answers(self, session_id: str) -> bool:
+        try:
+            self.channel(session_id).request({"op": "ping"}, timeout=2.0)
+        except SandboxUnavailable:
+            return False
         return True
 
     def remove(self, session_id: str) -> None:
@@ -168,4 +183,8 @@ class ContainerManager:
             self.client.images.get(image)
         except docker.errors.ImageNotFound:
             return False
+        except docker.errors.APIError as exc:
+            if exc.status_code == 400:  # not even a valid reference ("invalid reference format")
+                return False
+            raise
         return True

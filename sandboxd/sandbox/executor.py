@@ -11,6 +11,7 @@ calls at once and can reap every stray process between calls.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import selectors
@@ -20,11 +21,14 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 WORKSPACE = "/workspace"
 MAX_REQUEST = 64 * 1024 * 1024
+_serving_in_sandbox = False
+"""Set by `main`: the process serves a sandbox, so after a call every other process of its user is a leftover."""
 
 
 class ToolFailure(Exception):
@@ -117,6 +121,44 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    # A tool can leave its process group (setsid) and outlive the call, holding pids, memory or files
+    # open; calls never overlap, so every other process of the sandbox user is a leftover. Only when
+    # serving in a sandbox (not when a test imports this module on the host) and never as root, where
+    # kill(-1) would reach the whole machine.
+    if _serving_in_sandbox and os.getuid() != 0:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _feed_stdin(pipe: Any, data: bytes) -> None:
+    """Write a call's stdin; runs on its own thread so a tool that never reads it cannot stall the timeout."""
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:  # the tool exited or was killed without reading it all
+        pass
+
+
+def _faketime_library() -> str | None:
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    return found[0] if found else None
+
+
+def virtual_clock(clock: float) -> dict[str, str]:
+    """Environment that starts the tool's wall clock at `clock` (Unix seconds), for exact replay.
+
+    libfaketime is preloaded into the tool only, never into the executor, and monotonic clocks stay
+    real so sleeps and timeouts behave. Without the library (a custom image) only SANDBOXD_CLOCK is set.
+    """
+    env = {"SANDBOXD_CLOCK": repr(clock), "TZ": "UTC"}
+    library = _faketime_library()
+    if library is not None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(clock))
+        env.update(LD_PRELOAD=library, FAKETIME=f"@{stamp}", FAKETIME_DONT_FAKE_MONOTONIC="1",
+                   FAKETIME_DONT_RESET="1")
+    return env
 
 
 def run_process(req: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +167,10 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
     cap = int(req["output_bytes"])
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     env.update(req.get("env") or {})
+    if req.get("clock") is not None:
+        env.update(virtual_clock(float(req["clock"])))
     cwd = confine(req.get("cwd") or ".")
+    stdin = (req.get("stdin") or "").encode()
     oom_before = oom_kills()
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -139,11 +184,7 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
     )
     _expose_to_oom_killer(proc.pid)
     assert proc.stdin is not None
-    try:
-        proc.stdin.write((req.get("stdin") or "").encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
+    threading.Thread(target=_feed_stdin, args=(proc.stdin, stdin), daemon=True).start()
     out, err, out_cut, err_cut = _read_capped(proc, cap, started + timeout)
     timed_out = proc.poll() is None
     # Kill the whole group either way: a call leaves no process behind, not even a backgrounded one.
@@ -293,6 +334,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--socket", required=True)
     args = parser.parse_args()
+    global _serving_in_sandbox
+    _serving_in_sandbox = True
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve(args.socket)
 

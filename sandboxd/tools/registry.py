@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import posixpath
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +44,7 @@ class ToolRegistry:
     def validate(self, name: str, args: dict[str, Any]) -> ToolManifest:
         """Check `args` against the tool's schema and confine its paths; raise on the first problem."""
         manifest = self.get(name)
+        check_json_numbers(name, args)
         error = jsonschema.exceptions.best_match(self._validators[name].iter_errors(args))
         if error is not None:
             raise InvalidArguments(name, error.message, error.json_path)
@@ -50,6 +52,18 @@ class ToolRegistry:
             if key in args:
                 check_workspace_path(args[key])
         return manifest
+
+
+def check_json_numbers(tool: str, value: Any, path: str = "$") -> None:
+    """Refuse NaN and infinities, which JSON has no spelling for and JSON Schema bounds let through."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidArguments(tool, f"{value!r} is not a JSON number", path)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_json_numbers(tool, item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            check_json_numbers(tool, item, f"{path}[{index}]")
 
 
 def check_workspace_path(path: str) -> str:

@@ -16,12 +16,13 @@ import msgspec
 import pytest
 
 import docker
+from sandboxd.config import DEFAULT_IMAGE
 from sandboxd.revocation import leakscan
 from sandboxd.revocation.leakscan import LeakReport, needles_for, scan_container, scan_images, scan_paths
 
 SECRET = 'tok-"Ωmega"-7781-revoke-me'
 PLAIN = "sbx-leak-9f3c2e71d0"
-IMAGE = "sandboxd-tool:bookworm"
+IMAGE = DEFAULT_IMAGE
 
 
 def locations(report: LeakReport) -> set[str]:

@@ -178,3 +178,21 @@ def test_cli_revoke_and_graph(worlds: tuple[World, World], web: Web, tmp_path: P
     status = json.loads(subprocess.run([*cli, "revoke", agent.session_id, "--source", "nope", "--json", *endpoint],
                                        capture_output=True, text=True).stdout)
     assert status["error"] == "not_found"
+
+
+def test_a_replay_cut_by_a_crash_rolls_back_and_can_be_taken_again(worlds: tuple[World, World], web: Web) -> None:
+    live, _ = worlds
+    agent = run_session(live.client, finance(web.url("/vendors")), WORKSPACE)
+    [info] = live.client.pending_revocations(agent.session_id)
+    before = [(a.artifact_id, a.content) for a in live.client.graph(agent.session_id).artifacts]
+    live.client.begin_revocation(info.revocation_id)  # the agent took it: the sandbox is back before tau
+    assert "admin.txt" not in live.client.call(agent.session_id, "list_dir", {"recursive": True}).stdout
+    live.daemon.restart()  # SIGKILL mid-replay, then a new daemon on the same state
+    [again] = live.client.pending_revocations(agent.session_id)
+    assert again.revocation_id == info.revocation_id and again.state == "pending"
+    assert [(a.artifact_id, a.content) for a in live.client.graph(agent.session_id).artifacts] == before
+    tree = live.client.call(agent.session_id, "list_dir", {"recursive": True}).stdout
+    assert "notes/admin.txt" in tree  # the sandbox is the session's again, not a half-replayed one
+    report = apply(agent, info.revocation_id)
+    assert report.leak_scan["hits"] == 0 and report.calls["fired_twice"] == 0
+    assert "admin.txt" not in live.client.call(agent.session_id, "list_dir", {"recursive": True}).stdout
