@@ -191,7 +191,7 @@ class DaemonMetrics:
         self._firewall_stats, self._open_sessions, self._effect_of = firewall_stats, open_sessions, effect_of
         self.requests = r.counter("sandboxd_requests_total", "Requests answered, by wire type and outcome (ok, error).",
                                   ("type", "outcome"))
-        self.errors = r.counter("sandboxd_errors_total", "Error replies of the request handlers, by error code.",
+        self.errors = r.counter("sandboxd_errors_total", "Error replies by error code, undecodable frames included.",
                                 ("code",))
         self.request_seconds = r.histogram("sandboxd_request_seconds", "Time to answer a request, by wire type.",
                                            ("type",))

@@ -146,6 +146,7 @@ class Server:
             request = p.decode_request(payload, self.config.max_frame_bytes)
         except ProtocolError as exc:
             log.info("rejected frame: %s", exc)
+            self.service.metrics.errors.inc(exc.code.value)
             router.send_multipart([*envelope, p.encode(error_response(p.request_id_of(payload), exc))])
             return
         if isinstance(request, SandboxService.INLINE):
