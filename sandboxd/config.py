@@ -41,6 +41,9 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pids: Annotated[int, msgspec.Meta(ge=8, description="Most processes a sandbox may hold.")] = 128
     cpus: Annotated[float, msgspec.Meta(gt=0, description="CPU quota in cores.")] = 1.0
     tmp_mb: Annotated[int, msgspec.Meta(ge=1, description="Size of the tmpfs at /tmp.")] = 64
+    disk_mb: Annotated[int, msgspec.Meta(ge=0, description=(
+        "Disk quota of a session: its workspace and snapshots live in a loop-mounted filesystem of this "
+        "size (overlay backend; 0 = no quota)."))] = 1024
     nofile: Annotated[int, msgspec.Meta(ge=64, description="Open-file limit per process.")] = 1024
     user: Annotated[str, msgspec.Meta(description="uid:gid the sandbox runs as; never root.")] = "1000:1000"
     network: Annotated[bool, msgspec.Meta(description="Give the container a network (off).")] = False

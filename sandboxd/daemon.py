@@ -47,7 +47,8 @@ def build(config: DaemonConfig) -> tuple[SandboxService, Server]:
     config.state_path.mkdir(parents=True, exist_ok=True)
     config.state_path.chmod(0o700)
     state = StateStore(config.state_path / "state.db")
-    store = open_store(config.snapshot_backend, config.state_path / "snapshots", config.max_layers)
+    store = open_store(config.snapshot_backend, config.state_path / "snapshots", config.max_layers,
+                       config.sandbox.disk_mb)
     containers = ContainerManager(config)
     service = SandboxService(config, state, store, containers)
     service.recover()

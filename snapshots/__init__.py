@@ -24,12 +24,12 @@ __all__ = [
 ]
 
 
-def open_store(kind: str, root: Path, max_layers: int = 64) -> SnapshotStore:
-    """The store backend named `kind` ("overlay" or "copy") rooted at `root`."""
+def open_store(kind: str, root: Path, max_layers: int = 64, quota_mb: int = 0) -> SnapshotStore:
+    """The store backend named `kind` ("overlay" or "copy") rooted at `root`; quota_mb 0 means none."""
     if kind == "overlay":
         from snapshots.overlay import OverlaySnapshotStore
 
-        return OverlaySnapshotStore(root, max_layers=max_layers)
+        return OverlaySnapshotStore(root, max_layers=max_layers, quota_mb=quota_mb)
     if kind == "copy":
         from snapshots.copy import CopySnapshotStore
 

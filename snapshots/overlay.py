@@ -86,9 +86,10 @@ class OverlaySnapshotStore(SnapshotStore):
 
     propagation = "rslave"
 
-    def __init__(self, root: Path, max_layers: int = 64) -> None:
+    def __init__(self, root: Path, max_layers: int = 64, quota_mb: int = 0) -> None:
         self.root = root
         self.max_layers = max_layers
+        self.quota_mb = quota_mb
         self.mounts = root / "mounts"
         self.layers = root / "layers"
         self.mounts.mkdir(parents=True, exist_ok=True)
@@ -115,6 +116,9 @@ class OverlaySnapshotStore(SnapshotStore):
         d = self._dir(workspace)
         if d.exists():
             raise SnapshotError(f"workspace {workspace!r} already exists")
+        d.mkdir(parents=True)
+        if self.quota_mb:
+            self._make_quota_fs(workspace)
         for sub in ("base", "upper", "work", "snapshots"):
             (d / sub).mkdir(parents=True)
         for sub in ("base", "upper"):
@@ -181,7 +185,10 @@ class OverlaySnapshotStore(SnapshotStore):
     def destroy(self, workspace: str) -> None:
         _umount(str(self._ws(workspace)))
         shutil.rmtree(self.mount_root(workspace), ignore_errors=True)
+        if str(self._dir(workspace)) in _mountpoints():
+            _umount(str(self._dir(workspace)))  # the loop device detaches itself (autoclear) once unused
         shutil.rmtree(self._dir(workspace), ignore_errors=True)
+        self._image(workspace).unlink(missing_ok=True)
 
     def workspaces(self) -> builtins.list[str]:
         return sorted(p.name for p in self.layers.iterdir() if p.is_dir())
@@ -193,6 +200,8 @@ class OverlaySnapshotStore(SnapshotStore):
     def recover(self, workspace: str) -> None:
         """Settle an interrupted take or restore, then make sure the workspace is mounted."""
         d = self._dir(workspace)
+        if self._image(workspace).exists() and str(d) not in _mountpoints():
+            self._mount_quota_fs(workspace)  # after a reboot: the session's filesystem is a file again
         _umount(str(self._ws(workspace)))
         self._undo_restore(workspace)
         for path in self._records(workspace).glob("*.json"):
@@ -217,6 +226,28 @@ class OverlaySnapshotStore(SnapshotStore):
         self._collect_layers(workspace)
 
     # Internals ---------------------------------------------------------------------------------
+
+    def _image(self, workspace: str) -> Path:
+        return self.layers / f".{check_name('workspace', workspace)}.img"
+
+    def _make_quota_fs(self, workspace: str) -> None:
+        """A sparse ext4 image of quota_mb holding the session's upper and layers: the disk quota.
+
+        Everything a session writes, its snapshots included, lives in it, so a tool that fills the
+        workspace gets ENOSPC instead of filling the host. Sparse and lazily initialised: ~60 ms.
+        """
+        image = self._image(workspace)
+        with open(image, "wb") as fh:
+            fh.truncate(self.quota_mb * 1024 * 1024)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1",
+                        str(image)], check=True, capture_output=True)
+        self._mount_quota_fs(workspace)
+
+    def _mount_quota_fs(self, workspace: str) -> None:
+        done = subprocess.run(["mount", "-o", "loop,nosuid,nodev", str(self._image(workspace)),
+                               str(self._dir(workspace))], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SnapshotError(f"could not mount the quota filesystem of {workspace!r}: {done.stderr.strip()}")
 
     def _undo_restore(self, workspace: str) -> None:
         """A restore cut off before it finished: put the old stack and its upper back."""

@@ -30,6 +30,8 @@ from tests.integration.conftest import DaemonProcess
 
 pytestmark = pytest.mark.docker
 
+QUOTA_MB = 64
+
 PROCESSES = ("for p in /proc/[0-9]*; do printf '%s ' ${p#/proc/}; tr '\\0' ' ' < $p/cmdline 2>/dev/null; "
              "echo; done")
 
@@ -38,7 +40,9 @@ PROCESSES = ("for p in /proc/[0-9]*; do printf '%s ' ${p#/proc/}; tr '\\0' ' ' <
 def hardened(engine: docker.DockerClient) -> Iterator[DaemonProcess]:
     """One daemon for the module (each test opens its own session); removed with all it made."""
     tmp = Path(tempfile.mkdtemp(prefix="sandboxd-hardening-"))
-    daemon = DaemonProcess(tmp / "state")
+    config = tmp / "sandboxd.toml"
+    config.write_text(f"[sandbox]\ndisk_mb = {QUOTA_MB}\n")  # small, so filling it is quick
+    daemon = DaemonProcess(tmp / "state", ["--config", str(config)])
     daemon.start()
     yield daemon
     daemon.shutdown()
@@ -253,9 +257,6 @@ def test_memory_hogs_are_stopped_wherever_they_run(sbx: Client, sid: str) -> Non
     assert_alive(sbx, sid)
 
 
-@pytest.mark.xfail(strict=True, reason="no disk quota on /workspace: the overlay upper directory lives on the "
-                                       "host filesystem of the state dir, and a 1 GiB write inside the sandbox "
-                                       "succeeds (config has no disk limit; the overlay store sets none)")
 def test_a_huge_write_to_the_workspace_is_stopped(sbx: Client, sid: str) -> None:
     code = """
 import errno, os
@@ -281,6 +282,9 @@ except OSError as e:
         sh(sbx, sid, "rm -f /workspace/huge")
     assert_alive(sbx, sid)
     assert outcome[0] == "stopped" and outcome[2] in ("ENOSPC", "EDQUOT", "resource_limit"), outcome
+    assert int(outcome[1]) <= QUOTA_MB * 1024 * 1024
+    # The quota covers the session, not the call: with the file gone there is room again.
+    assert sh(sbx, sid, "head -c 1048576 /dev/zero > /workspace/small && echo ok").stdout == "ok\n"
 
 
 def test_huge_output_is_capped_on_both_streams(sbx: Client, sid: str) -> None:

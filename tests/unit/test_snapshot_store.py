@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -183,3 +184,25 @@ def test_modes_of_the_workspace_root_survive(store: SnapshotStore) -> None:
     os.chmod(ws, 0o755)
     store.restore("w1", "s1")
     assert stat.S_IMODE(ws.stat().st_mode) == 0o750
+
+
+def test_overlay_quota_stops_a_session_filling_the_disk(tmp_path: Path) -> None:
+    store = OverlaySnapshotStore(tmp_path / "o", quota_mb=16)
+    ws = store.create("w1", OWNER) / "ws"
+    try:
+        with pytest.raises(OSError) as err, open(ws / "big", "wb") as fh:
+            for _ in range(32):
+                fh.write(b"x" * (1 << 20))
+                fh.flush()
+                os.fsync(fh.fileno())
+        assert err.value.errno == errno.ENOSPC
+        (ws / "big").unlink()
+        (ws / "fits").write_bytes(b"y" * (1 << 20))
+        store.take("w1", "s1")  # snapshots live inside the quota too, and still work
+        store.restore("w1", "s1")
+        assert (ws / "fits").stat().st_size == 1 << 20
+    finally:
+        store.destroy("w1")
+        store.release()
+    assert not (tmp_path / "o" / "layers" / ".w1.img").exists()
+    assert not [p for p in _mountpoints() if p.startswith(str(tmp_path))]
