@@ -6,7 +6,6 @@ any container it labelled and unmounts what its snapshot store mounted, so nothi
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import docker
+from agent.compare import TREE_LISTING
 from sandboxd.client import Client
 from sandboxd.launcher import DaemonProcess
 
@@ -65,20 +65,4 @@ def session(client: Client) -> str:
 
 def tree_listing_code() -> str:
     """Python run inside a sandbox that prints its workspace tree: path, type, mode, size, digest."""
-    return (
-        "import hashlib, json, os, stat\n"
-        "out = []\n"
-        "for base, dirs, files in os.walk('/workspace/', followlinks=False):\n"
-        "    for name in sorted(dirs + files):\n"
-        "        full = os.path.join(base, name); st = os.lstat(full)\n"
-        "        kind = 'link' if stat.S_ISLNK(st.st_mode) else 'dir' if stat.S_ISDIR(st.st_mode) else 'file'\n"
-        "        digest = os.readlink(full) if kind == 'link' else (\n"
-        "            hashlib.sha256(open(full, 'rb').read()).hexdigest() if kind == 'file' else '')\n"
-        "        out.append([os.path.relpath(full, '/workspace'), kind, oct(st.st_mode), st.st_size, digest])\n"
-        "print(json.dumps(sorted(out)))\n"
-    )
-
-
-def need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.fail("the overlay snapshot store and the Docker engine need root; run the tests as root")
+    return TREE_LISTING
