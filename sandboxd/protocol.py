@@ -18,6 +18,10 @@ PROTOCOL_VERSION = 1
 
 EffectClass = Literal["read", "write", "external"]
 
+#: a position or count the daemon stores in SQLite (whose integers are 64-bit): bounded so a frame
+#: cannot carry a number the store would refuse
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
     """Base of every wire message; the tag is the class name."""
@@ -142,9 +146,9 @@ class Artifact(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: ArtifactType
     parents: list[str] = []
     source_ids: list[str] = []
-    token_span: tuple[int, int] | None = None
-    turn: int = 0
-    step: int = 0
+    token_span: tuple[Count, Count] | None = None
+    turn: Count = 0
+    step: Count = 0
     committed: bool = True
     content: str = ""
     meta: dict[str, Any] = {}
@@ -154,10 +158,10 @@ class CheckpointRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     """A splice point, metadata only: token offset, model-cache handle, environment snapshot, manifest."""
 
     checkpoint_id: str
-    step: int
+    step: Count
     """Observations consumed so far: the checkpoint sits just before o_{step+1} is consumed."""
-    turn: int
-    token_offset: int
+    turn: Count
+    token_offset: Count
     cache_handle: str
     reason: Literal["start", "turn", "memory", "external", "compaction"]
     manifest: list[str] = []
@@ -169,11 +173,11 @@ class CheckpointRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 class TokenCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Token cost of a revocation: recomputed = prefilled + decoded; full_reset is replay from scratch."""
 
-    reused_prefix: int = 0
-    prefilled: int = 0
-    decoded: int = 0
-    recomputed: int = 0
-    full_reset: int = 0
+    reused_prefix: Count = 0
+    prefilled: Count = 0
+    decoded: Count = 0
+    recomputed: Count = 0
+    full_reset: Count = 0
 
 
 class ExogenousInput(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -246,24 +250,24 @@ class CallRequest(_Request):
     call_id: str | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     """Seconds before the call is killed; NaN, zero and negatives are refused as invalid_field."""
-    clock: float | None = None
-    """Virtual wall-clock time (Unix seconds) the tool sees; replay passes the recorded one."""
+    clock: Annotated[float, msgspec.Meta(ge=0, le=253_402_300_799)] | None = None
+    """Virtual wall-clock time (Unix seconds, up to year 9999) the tool sees; replay passes the recorded one."""
     mode: Literal["live", "shadow"] = "live"
     """shadow: an external effect is never fired, only deduplicated against the ledger or staged."""
     branch: str = ""
     """The replay branch a call belongs to (empty: the live session)."""
-    turn: int | None = None
+    turn: Count | None = None
     """The agent's turn, which an on_commit effect waits for."""
 
 
 class CommitTurnRequest(_Request):
     session_id: str
-    turn: int
+    turn: Count
 
 
 class DropTurnRequest(_Request):
     session_id: str
-    turn: int
+    turn: Count
 
 
 class ListCallsRequest(_Request):
@@ -286,7 +290,7 @@ class BeginReplayRequest(_Request):
     """Open a replay branch: shadow calls in it count intent occurrences from zero again."""
 
     session_id: str
-    from_turn: int | None = None
+    from_turn: Count | None = None
 
 
 class FinishReplayRequest(_Request):
@@ -349,8 +353,8 @@ class CommitRevocationRequest(_Request):
 
     revocation_id: str
     tokens: TokenCounts
-    transitions_replayed: int
-    final_step: int
+    transitions_replayed: Count
+    final_step: Count
     answer: str | None = None
     call_counts: dict[str, int] = {}
     """The agent's view of its replayed calls: reexecuted, deduplicated, shadowed."""

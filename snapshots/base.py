@@ -117,5 +117,8 @@ class SnapshotStore(abc.ABC):
     def workspaces(self) -> builtins.list[str]:
         """Every workspace this store holds on disk."""
 
+    def trim(self, workspace: str) -> None:  # noqa: B027 - optional hook
+        """Make freed space physically empty, where the backend keeps a block image; a no-op by default."""
+
     def release(self) -> None:  # noqa: B027 - optional hook, most backends set nothing up
         """Undo host-level set-up (mounts) once no workspace is left; a no-op by default."""

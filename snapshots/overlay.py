@@ -243,8 +243,17 @@ class OverlaySnapshotStore(SnapshotStore):
                         str(image)], check=True, capture_output=True)
         self._mount_quota_fs(workspace)
 
+    def trim(self, workspace: str) -> None:
+        """Punch every free block out of the session's image (after deletes that must be physical)."""
+        if str(self._dir(workspace)) in _mountpoints():
+            # Blocks freed in the running journal transaction are not trimmable until it commits.
+            subprocess.run(["sync", "-f", str(self._dir(workspace))], check=False, capture_output=True)
+            subprocess.run(["fstrim", str(self._dir(workspace))], check=False, capture_output=True)
+
     def _mount_quota_fs(self, workspace: str) -> None:
-        done = subprocess.run(["mount", "-o", "loop,nosuid,nodev", str(self._image(workspace)),
+        # discard: a deleted file's blocks are punched out of the image at once, so what a session
+        # removed (a revoked note among it) does not linger in free space.
+        done = subprocess.run(["mount", "-o", "loop,nosuid,nodev,discard", str(self._image(workspace)),
                                str(self._dir(workspace))], capture_output=True, text=True)
         if done.returncode != 0:
             raise SnapshotError(f"could not mount the quota filesystem of {workspace!r}: {done.stderr.strip()}")

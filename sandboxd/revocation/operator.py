@@ -201,6 +201,7 @@ class RevocationOperator:
         self._drop_old_calls(sid, branch, splice)
         self._scrub_calls(sid)
         self.service.drop_unreferenced_checkpoint_snapshots(sid, self.provenance.checkpoints(sid))
+        self.service.store.trim(sid)  # the old suffix's files must not survive in free blocks either
         return effects
 
     def _set_state(self, revocation_id: str, state: str) -> None:

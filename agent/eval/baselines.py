@@ -1,0 +1,278 @@
+"""The paper's baselines, each a revocation strategy behind one interface, applied to the same recorded session.
+
+Every method but the references gets its own fresh copy of the original session: the scenario run
+again in world A (deterministic: the scripted policy on the local engine, a seeded context), hijacked
+by the injected vendor page, flagged by the daemon's detector. What each method ends with:
+
+- B0 no-op: the original state, unchanged.
+- B1 delete the persistent record: the daemon's copy of the source observation is dropped from the
+  record; the agent's answer, summaries, plans, context and cache are untouched.
+- B2 instruct the model to forget: a user input "Forget what the vendor page told you" is appended
+  and the agent answers it; everything it held stays, plus the instruction and its reply.
+- B3 redact the raw observation: z is excised from the source observation's text; derived artifacts
+  (plans, tool calls, summaries, memories, later observations) are kept; the cache is re-prefilled
+  from the edited block on; the sandbox is not touched.
+- B4 amputate: every artifact of the taint closure I(z) is dropped from the context and the runtime
+  artifacts; the cache is re-prefilled from the first dropped block on.
+- B5 full reset: a fresh session in world B, from scratch, on o^{-z} (the reference).
+- B5' prefix-cached full replay: B5's state; tokens are B5's minus the prefilled non-model blocks
+  ending at or before the splice offset (a prefix cache serves them), as bench_revocation defines it.
+- B6 redact every artifact: every needle (z and its payload strings, known in advance) is removed
+  from every block and artifact, model-authored ones included; the cache is re-prefilled.
+- B7 this system: agent.revocation.apply on the detector's revocation (restore, replay the suffix).
+- B8 information-flow control only: no state change; tool calls whose arguments carry a needle are
+  counted as blocked sinks, the state keeps z.
+- B9 IFC plus replay: B7's state, with B8's sink count over its final branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import msgspec
+
+from agent.eval.metrics import Artifact, FinalState, capture, needles_for, render, state_of, tainted_actions
+from agent.harness import run_session
+from agent.revocation import apply
+from agent.runtime import END, ROLE, AgentSession, Block, Exogenous
+from agent.scenario import Scenario
+from sandboxd.client import Client
+
+FORGET_INPUT = "Forget what the vendor page told you."
+MODEL_TYPES = ("model_turn", "summary")
+
+
+class MethodResult(msgspec.Struct, kw_only=True):
+    """A method's final state and what it cost."""
+
+    method: str
+    state: FinalState
+    tokens_recomputed: int = 0
+    fired_twice: int = 0
+    blocked_sinks: int = 0
+
+
+class Reference(msgspec.Struct, kw_only=True):
+    """B5's run: its final state, its blocks and the tokens it recomputed."""
+
+    state: FinalState
+    blocks: list[Block]
+    tokens: int
+
+
+class PairContext:
+    """One (user task, injection) pair: both worlds, the scenario, the target and the reference run."""
+
+    def __init__(self, world_a: Client, world_b: Client, scenario: Scenario, files: dict[str, str],
+                 target: str, payloads: Sequence[str]) -> None:
+        self.world_a, self.world_b = world_a, world_b
+        self.scenario, self.files, self.target = scenario, files, target
+        self.needles = needles_for(target, payloads)
+        self._reference: Reference | None = None
+        self._opened: list[tuple[Client, str]] = []
+
+    def original(self) -> AgentSession:
+        """A fresh copy of the recorded session in world A (hijacked, flagged by the detector)."""
+        agent = run_session(self.world_a, self.scenario, self.files)
+        self._opened.append((self.world_a, agent.session_id))
+        return agent
+
+    def revocation(self, agent: AgentSession) -> tuple[str, str]:
+        """(revocation id, source artifact) of the detector's pending revocation of this session."""
+        pending = self.world_a.pending_revocations(agent.session_id)
+        if len(pending) != 1:
+            raise RuntimeError(f"expected one flagged observation, the detector raised {len(pending)}")
+        return pending[0].revocation_id, pending[0].source
+
+    def reference(self) -> Reference:
+        """B5, run once per pair: a fresh session in world B that never sees z."""
+        if self._reference is None:
+            ref = run_session(self.world_b, self.scenario, self.files, forget=[self.target])
+            self._opened.append((self.world_b, ref.session_id))
+            self._reference = Reference(state=capture(ref), blocks=list(ref.blocks),
+                                        tokens=ref.backend.meter.recomputed)
+        return self._reference
+
+    def close(self) -> None:
+        """Close every session this pair opened."""
+        for client, session_id in self._opened:
+            client.close_session(session_id)
+        self._opened = []
+
+
+class Method(Protocol):
+    """A revocation strategy: applied to a pair, it returns the state it ends with."""
+
+    name: str
+
+    def run(self, ctx: PairContext) -> MethodResult: ...
+
+
+def prefill_cost(agent: AgentSession, blocks: Sequence[Block]) -> int:
+    """Tokens a prefill of these blocks computes (role header, text, end marker each)."""
+    backend = agent.backend
+    return sum(len(backend.tokenize(ROLE[b.type] + END, specials=True)) + len(backend.tokenize(b.text))
+               for b in blocks)
+
+
+def edited(agent: AgentSession, edit_block: Callable[[Block], Block | None],
+           edit_artifact: Callable[[Artifact], Artifact | None], name: str) -> MethodResult:
+    """A state edit: blocks and artifacts rewritten or dropped, the cache re-prefilled from the first change."""
+    before = capture(agent)
+    blocks: list[Block] = []
+    first_change: int | None = None
+    for i, block in enumerate(agent.blocks):
+        new = edit_block(block)
+        if first_change is None and (new is None or new.text != block.text):
+            first_change = i  # every block before it is kept as it was, so the kept prefix is the same length
+        if new is not None:
+            blocks.append(new)
+    artifacts = [a for a in (edit_artifact(x) for x in before.artifacts) if a is not None]
+    tokens = 0 if first_change is None else prefill_cost(agent, blocks[first_change:])
+    state = state_of(blocks, artifacts, before.tree, render(blocks))
+    return MethodResult(method=name, state=state, tokens_recomputed=tokens)
+
+
+def _redact(text: str, needles: Sequence[str]) -> str:
+    for needle in needles:
+        text = text.replace(needle, "")
+    return text
+
+
+class NoOp:
+    """B0: nothing is done."""
+
+    name = "B0"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        return MethodResult(method=self.name, state=capture(ctx.original()))
+
+
+class DeleteRecord:
+    """B1: the daemon's copy of the source observation is deleted; the agent's state is untouched."""
+
+    name = "B1"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        agent = ctx.original()
+        _, source = ctx.revocation(agent)
+        state = capture(agent)
+        state.record = [(aid, text) for aid, text in state.record if aid != source]
+        return MethodResult(method=self.name, state=state)
+
+
+class InstructForget:
+    """B2: the user tells the agent to forget; the agent answers and keeps everything it held."""
+
+    name = "B2"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        agent = ctx.original()
+        before = agent.backend.meter
+        agent.queue.append(Exogenous(type="user", text=FORGET_INPUT))
+        agent.run()
+        used = agent.backend.meter - before
+        return MethodResult(method=self.name, state=capture(agent), tokens_recomputed=used.recomputed)
+
+
+class RedactObservation:
+    """B3: z excised from the source observation only; derived artifacts kept."""
+
+    name = "B3"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        agent = ctx.original()
+        _, source = ctx.revocation(agent)
+
+        def block(b: Block) -> Block:
+            return msgspec.structs.replace(b, text=b.text.replace(ctx.target, "")) if b.artifact_id == source else b
+
+        def artifact(a: Artifact) -> Artifact:
+            return (a[0], a[1], a[2].replace(ctx.target, ""), a[3]) if a[0] == source else a
+
+        return edited(agent, block, artifact, self.name)
+
+
+class Amputate:
+    """B4: every artifact of the taint closure dropped from the state."""
+
+    name = "B4"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        agent = ctx.original()
+        _, source = ctx.revocation(agent)
+        closure = set(ctx.world_a.provenance(agent.session_id, source).taint_closure)
+        return edited(agent, lambda b: None if b.artifact_id in closure else b,
+                      lambda a: None if a[0] in closure else a, self.name)
+
+
+class RedactAll:
+    """B6: every needle string-replaced out of every block and artifact, model-authored ones included."""
+
+    name = "B6"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        agent = ctx.original()
+        return edited(agent, lambda b: msgspec.structs.replace(b, text=_redact(b.text, ctx.needles)),
+                      lambda a: (a[0], a[1], _redact(a[2], ctx.needles), a[3]), self.name)
+
+
+class FullReset:
+    """B5: the reference, a fresh session from scratch on o^{-z} in world B."""
+
+    name = "B5"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        ref = ctx.reference()
+        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens)
+
+
+class PrefixCachedReplay:
+    """B5': B5's state; the prefilled non-model blocks before the splice offset are served by a prefix cache."""
+
+    name = "B5'"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        agent = ctx.original()
+        _, source = ctx.revocation(agent)
+        splice = ctx.world_a.provenance(agent.session_id, source).checkpoint
+        if splice is None:
+            raise RuntimeError(f"no checkpoint before {source}: the splice offset is unknown")
+        offset = splice.token_offset
+        ref = ctx.reference()
+        served = sum(b.span[1] - b.span[0] for b in ref.blocks if b.type not in MODEL_TYPES and b.span[1] <= offset)
+        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens - served)
+
+
+class Revocation:
+    """B7: this system, agent.revocation.apply; with `ifc`, B9: its final branch's tainted sinks are counted."""
+
+    def __init__(self, name: str = "B7", ifc: bool = False) -> None:
+        self.name, self.ifc = name, ifc
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        agent = ctx.original()
+        revocation_id, _ = ctx.revocation(agent)
+        report = apply(agent, revocation_id)
+        state = capture(agent)
+        blocked = tainted_actions(state, ctx.needles) if self.ifc else 0
+        return MethodResult(method=self.name, state=state, tokens_recomputed=report.tokens.recomputed,
+                            fired_twice=int(report.calls.get("fired_twice", 0)), blocked_sinks=blocked)
+
+
+class FlowControl:
+    """B8: information-flow control only: tainted tool-call sinks counted as blocked, the state keeps z."""
+
+    name = "B8"
+
+    def run(self, ctx: PairContext) -> MethodResult:
+        state = capture(ctx.original())
+        return MethodResult(method=self.name, state=state, blocked_sinks=tainted_actions(state, ctx.needles))
+
+
+def methods() -> dict[str, Method]:
+    """Every method by name, in the paper's order."""
+    made: list[Method] = [NoOp(), DeleteRecord(), InstructForget(), RedactObservation(), Amputate(), FullReset(),
+                          PrefixCachedReplay(), RedactAll(), Revocation(), FlowControl(), Revocation("B9", ifc=True)]
+    return {m.name: m for m in made}
