@@ -93,19 +93,7 @@ class _Matcher:
     def stream(self, read: Callable[[int], bytes], location: str) -> None:
         """Search everything `read` yields, counting it as one location."""
         self.report.locations_checked += 1
-        carried = b""
-        base = 0
-        while chunk := read(CHUNK_BYTES):
-            buffer = carried + chunk
-            for index, needle in enumerate(self.needles):
-                position = buffer.find(needle)
-                while position != -1:
-                    if position + len(needle) > len(carried):
-                        self.report.hits.append(Hit(location=location, offset=base + position, needle=index))
-                    position = buffer.find(needle, position + 1)
-            keep = min(len(buffer), self.carry)
-            carried = buffer[len(buffer) - keep :] if keep else b""
-            base += len(buffer) - keep
+        self._chunks(iter(lambda: read(CHUNK_BYTES), b""), 0, location)
 
     def file(self, fd: int, location: str) -> None:
         """Search a regular file's stored bytes, one data extent at a time.
@@ -125,16 +113,13 @@ class _Matcher:
                 end = os.lseek(fd, start, os.SEEK_HOLE)
             except OSError:
                 end = size
-            self._extent(fd, start, end, location)
+            self._chunks(_extent_chunks(fd, start, end), start, location)
             position = end
 
-    def _extent(self, fd: int, start: int, end: int, location: str) -> None:
-        carried, base, offset = b"", start, start
-        while offset < end:
-            chunk = os.pread(fd, min(CHUNK_BYTES, end - offset), offset)
-            if not chunk:
-                return
-            offset += len(chunk)
+    def _chunks(self, chunks: Iterable[bytes], base: int, location: str) -> None:
+        """Search consecutive chunks starting at offset `base`, carrying enough to catch straddlers."""
+        carried = b""
+        for chunk in chunks:
             buffer = carried + chunk
             for index, needle in enumerate(self.needles):
                 position = buffer.find(needle)
@@ -154,6 +139,17 @@ class _Matcher:
             while position != -1:
                 self.report.hits.append(Hit(location=location, offset=position, needle=index, part="name"))
                 position = raw.find(needle, position + 1)
+
+
+def _extent_chunks(fd: int, start: int, end: int) -> Iterator[bytes]:
+    """The bytes of [start, end) of a file, CHUNK_BYTES at a time."""
+    offset = start
+    while offset < end:
+        chunk = os.pread(fd, min(CHUNK_BYTES, end - offset), offset)
+        if not chunk:
+            return
+        offset += len(chunk)
+        yield chunk
 
 
 # Host paths ---------------------------------------------------------------------------------
