@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks._harness import daemon, pct
+from sandboxd import protocol as p
 from sandboxd.client import Client
 from sandboxd.launcher import DaemonProcess
 
@@ -81,8 +82,12 @@ class LoadReport:
         return last / settled - 1.0
 
 
+#: every this many steps a session runs a revocation (the heaviest operation: restore, purge, scan)
+REVOKE_EVERY = 40
+
+
 class SessionLoad:
-    """One session's loop: tool calls, snapshots and restores, checking that no write is lost."""
+    """One session's loop: tool calls, snapshots, restores and revocations; no write may be lost."""
 
     def __init__(self, client: Client, index: int, report: LoadReport) -> None:
         self.client, self.index, self.report = client, index, report
@@ -90,6 +95,7 @@ class SessionLoad:
         self.session_id = ""
         self.expected: dict[str, str] = {}
         self.snapshot: tuple[str, dict[str, str]] | None = None
+        self.revoked = 0
 
     def open(self) -> None:
         self.session_id = self.client.open_session().session_id
@@ -105,7 +111,9 @@ class SessionLoad:
 
     def step(self, step: int) -> None:
         phase = step % CYCLE
-        if phase == CYCLE // 2:
+        if step % REVOKE_EVERY == REVOKE_EVERY - 1:
+            self.timed("revocation", self.revoke)
+        elif phase == CYCLE // 2:
             old = self.snapshot
             self.timed("snapshot", self.take_snapshot)
             if old is not None and self.snapshot is not old:  # one snapshot per session, however long the run
@@ -118,6 +126,27 @@ class SessionLoad:
             self.read_back(self.rng.choice(sorted(self.expected)))
         else:
             self.timed("shell", self.echo)
+
+    def revoke(self) -> None:
+        """A whole revocation through the daemon, as an agent with nothing to replay would drive it.
+
+        Checkpoint (the sandbox as it is), an input that carries a secret, revoke it, begin (restore,
+        fingerprint, replay branch), commit (delete, purge, leak scan). The checkpoint is taken right
+        before the input, so the restore changes no file this driver expects to read back.
+        """
+        c, sid, n = self.client, self.session_id, self.revoked
+        c.checkpoint(sid, p.CheckpointRecord(checkpoint_id=f"cp-load-{n}", step=n, turn=0, token_offset=0,
+                                             cache_handle="load", reason="turn"))
+        secret = f"load-secret-{self.index}-{n}-{self.rng.getrandbits(32):08x}"
+        c.record_artifacts(sid, [p.Artifact(artifact_id=f"user-{n + 1}", type="user", step=n + 1, content=secret)])
+        raised = c.revoke(sid, f"user-{n + 1}")
+        c.begin_revocation(raised.revocation.revocation_id)
+        report = c.commit_revocation(p.CommitRevocationRequest(
+            request_id=c._rid(), revocation_id=raised.revocation.revocation_id, tokens=p.TokenCounts(),
+            transitions_replayed=1, final_step=n + 1))
+        self.revoked += 1
+        if report.leak_scan.get("hits"):
+            self.report.fail("lost", f"{sid}: revoked value still found: {report.leak_scan}")
 
     def timed(self, op: str, action: Callable[[], None]) -> None:
         started = time.perf_counter()

@@ -65,7 +65,7 @@ class StateStore:
             self.db.table("revocations").create(
                 {"revocation_id": str, "session_id": str, "source": str, "target": str, "fingerprint": str,
                  "state": str, "raised_by": str, "tau": int, "T": int, "checkpoint_id": str, "branch": str,
-                 "closure": str, "report": str, "created_at": float, "started_at": float},
+                 "closure": str, "report": str, "created_at": float, "started_at": float, "suffix": str},
                 pk="revocation_id", if_not_exists=True,
             )
             self.db.table("forgotten").create({"session_id": str, "fingerprint": str}, if_not_exists=True)
@@ -174,9 +174,14 @@ class StateStore:
             db.table("forgotten").insert({"session_id": session_id, "fingerprint": fingerprint})
 
     def purge(self) -> None:
-        """Make deleted rows physically gone: secure_delete zeroes them, then VACUUM and an empty WAL."""
+        """Make deleted rows physically gone from the files, the WAL included.
+
+        secure_delete already overwrites deleted content (and freed pages) with zeros in the database
+        pages; what remains is the old page images in the WAL, which a TRUNCATE checkpoint removes.
+        Rejected: VACUUM on every purge, which rewrites the whole database under the state lock (seconds
+        once many sessions share it) for nothing secure_delete has not already done.
+        """
         with self.lock:
-            self.conn.execute("VACUUM")
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # Snapshots ---------------------------------------------------------------------------------

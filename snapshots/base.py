@@ -117,6 +117,10 @@ class SnapshotStore(abc.ABC):
     def workspaces(self) -> builtins.list[str]:
         """Every workspace this store holds on disk."""
 
+    @abc.abstractmethod
+    def paths(self, workspace: str) -> builtins.list[Path]:
+        """Every host path holding this workspace's bytes (for a leak scan)."""
+
     def trim(self, workspace: str) -> None:  # noqa: B027 - optional hook
         """Make freed space physically empty, where the backend keeps a block image; a no-op by default."""
 

@@ -109,6 +109,9 @@ class CopySnapshotStore(SnapshotStore):
                 meta.unlink()
         self._ws(workspace).mkdir(parents=True, exist_ok=True)
 
+    def paths(self, workspace: str) -> builtins.list[Path]:
+        return [self.mount_root(workspace), self._dir(workspace)]
+
     def workspaces(self) -> builtins.list[str]:
         return sorted(p.name for p in self.copies.iterdir() if p.is_dir())
 

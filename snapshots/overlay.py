@@ -243,6 +243,9 @@ class OverlaySnapshotStore(SnapshotStore):
                         str(image)], check=True, capture_output=True)
         self._mount_quota_fs(workspace)
 
+    def paths(self, workspace: str) -> builtins.list[Path]:
+        return [self.mount_root(workspace), self._dir(workspace), self._image(workspace)]
+
     def trim(self, workspace: str) -> None:
         """Punch every free block out of the session's image (after deletes that must be physical)."""
         if str(self._dir(workspace)) in _mountpoints():

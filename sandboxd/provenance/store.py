@@ -183,14 +183,26 @@ class ProvenanceStore:
         closure = self.closure(session_id, source)
         return tau, self.last_step(session_id), closure, self.checkpoint_before(session_id, tau)
 
-    def commit_branch(self, session_id: str, branch: str, splice: p.CheckpointRecord) -> list[p.Artifact]:
-        """Make a replay branch live: drop the live suffix after `splice`, relabel the branch; returns the drop."""
+    def suffix_bounds(self, session_id: str) -> tuple[int, int]:
+        """(last artifact seq, last checkpoint rowid) of the live session: where an old suffix ends."""
+        row = self._rows(
+            "SELECT (SELECT COALESCE(MAX(seq), 0) FROM prov_artifacts WHERE session_id = ? AND branch = ?) AS a, "
+            "(SELECT COALESCE(MAX(rowid), 0) FROM prov_checkpoints WHERE session_id = ? AND branch = ?) AS c",
+            [session_id, LIVE, session_id, LIVE])[0]
+        return int(row["a"]), int(row["c"])
+
+    def commit_branch(self, session_id: str, branch: str, splice: p.CheckpointRecord,
+                      old_end: tuple[int, int]) -> list[p.Artifact]:
+        """Make a replay branch live: drop the old suffix between `splice` and `old_end`, relabel the branch.
+
+        Bounded on both sides, so repeating it after a crash never touches what the branch brought.
+        """
         with self.lock, self.db.atomic():
             cut = self._rows("SELECT artifact_seq, rowid FROM prov_checkpoints WHERE session_id = ? AND branch = ? "
                              "AND checkpoint_id = ?", [session_id, LIVE, splice.checkpoint_id])[0]
             later = {r["artifact_id"] for r in self._rows(
-                "SELECT artifact_id FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ?",
-                [session_id, LIVE, cut["artifact_seq"]])}
+                "SELECT artifact_id FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ? AND seq <= ?",
+                [session_id, LIVE, cut["artifact_seq"], old_end[0]])}
             dropped = [a for a in self.artifacts(session_id) if a.artifact_id in later]
             ids = [a.artifact_id for a in dropped]
             for chunk in _chunks(ids):
@@ -199,8 +211,8 @@ class ProvenanceStore:
                                 [session_id, LIVE, *chunk])
                 self.db.execute(f"DELETE FROM prov_artifacts WHERE session_id = ? AND branch = ? "
                                 f"AND artifact_id IN ({marks})", [session_id, LIVE, *chunk])
-            self.db.execute("DELETE FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid > ?",
-                            [session_id, LIVE, cut["rowid"]])
+            self.db.execute("DELETE FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid > ? "
+                            "AND rowid <= ?", [session_id, LIVE, cut["rowid"], old_end[1]])
             # A replay re-registers the splice point itself (same position, same id): keep the live one.
             self.db.execute("DELETE FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id IN "
                             "(SELECT checkpoint_id FROM prov_checkpoints WHERE session_id = ? AND branch = ?)",
@@ -209,11 +221,6 @@ class ProvenanceStore:
                 self.db.execute(f"UPDATE {table} SET branch = ? WHERE session_id = ? AND branch = ?",
                                 [LIVE, session_id, branch])
         return dropped
-
-    def has_branch(self, session_id: str, branch: str) -> bool:
-        """Whether a replay branch still has rows of its own (not yet committed or abandoned)."""
-        return bool(self._rows("SELECT 1 FROM prov_artifacts WHERE session_id = ? AND branch = ? LIMIT 1",
-                               [session_id, branch]))
 
     def abandon_branch(self, session_id: str, branch: str) -> None:
         """Forget a replay branch that will not be committed."""

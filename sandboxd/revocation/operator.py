@@ -145,7 +145,8 @@ class RevocationOperator:
             with self.state.transaction() as db:
                 db.table("revocations").update(req.revocation_id, {
                     "state": "replaying", "branch": branch, "started_at": time.time(),
-                    "closure": json.dumps(closure), "T": self.provenance.last_step(sid)})
+                    "closure": json.dumps(closure), "T": self.provenance.last_step(sid),
+                    "suffix": json.dumps(self.provenance.suffix_bounds(sid))})
             row = self._row(req.revocation_id)
         return self._plan(req.request_id, row, checkpoint, branch)
 
@@ -174,7 +175,7 @@ class RevocationOperator:
         splice = self._checkpoint(sid, row["checkpoint_id"])
         with self.service.session_lock(sid):
             self._set_state(req.revocation_id, "committing")  # from here a restart rolls forward
-            effects = self._commit_steps(sid, branch, splice)
+            effects = self._commit_steps(sid, branch, splice, json.loads(row["suffix"]))
             with self.state.transaction() as db:
                 # From here on the target exists only in this process's memory, for the scan below.
                 db.table("revocations").update(req.revocation_id, {"state": "committed", "target": None})
@@ -189,15 +190,14 @@ class RevocationOperator:
                  extra={"session_id": sid, "request_id": req.request_id})
         return p.CommitRevocationResponse(request_id=req.request_id, report=report)
 
-    def _commit_steps(self, sid: str, branch: str, splice: p.CheckpointRecord) -> Any:
+    def _commit_steps(self, sid: str, branch: str, splice: p.CheckpointRecord, old_end: list[int]) -> Any:
         """The branch becomes the session. Each step is safe to repeat after a crash part-way through."""
         effects: Any
         try:
             effects = self.service.firewall.finish_replay(branch, commit=True)
         except SandboxdError:  # finished before a crash: its report is gone, its effect is not
             effects = _NO_EFFECTS
-        if self.provenance.has_branch(sid, branch):
-            self.provenance.commit_branch(sid, branch, splice)
+        self.provenance.commit_branch(sid, branch, splice, (old_end[0], old_end[1]))
         self._drop_old_calls(sid, branch, splice)
         self._scrub_calls(sid)
         self.service.drop_unreferenced_checkpoint_snapshots(sid, self.provenance.checkpoints(sid))
@@ -237,7 +237,7 @@ class RevocationOperator:
 
     def _roll_forward(self, row: dict[str, Any]) -> None:
         sid = row["session_id"]
-        self._commit_steps(sid, row["branch"], self._checkpoint(sid, row["checkpoint_id"]))
+        self._commit_steps(sid, row["branch"], self._checkpoint(sid, row["checkpoint_id"]), json.loads(row["suffix"]))
         note = "completed after a daemon restart: the agent's token counts and the leak scan were lost"
         report = p.RevocationReport(
             revocation_id=row["revocation_id"], session=sid, source=row["source"], tau=row["tau"],
@@ -291,14 +291,19 @@ class RevocationOperator:
         """
         needles = needles_for(target)
         state = self.service.config.state_path
-        report = scan_paths(needles, [state])
+        # What the daemon keeps for everyone (SQLite, WAL, logs) and this session's own snapshot store.
+        # Other sessions' sandboxes are theirs: the same bytes there are not this session's leak.
+        shared = [path for path in state.iterdir() if path.name != "snapshots"]
+        report = scan_paths(needles, [*shared, *self.service.store.paths(sid)])
         environment = str(state / "snapshots")
         hits = [f"{h.location}@{h.offset}" for h in report.hits if not h.location.startswith(environment)]
         env_hits = [f"{h.location}@{h.offset}" for h in report.hits if h.location.startswith(environment)]
         checked = report.locations_checked
         container = self.service.containers.container(sid)
         if container is not None:
-            inside = scan_container(container, needles)
+            # The workspace and the control socket dir are host binds, scanned above; the root filesystem
+            # is read-only. What only the container holds is its tmpfs (and anything diff() reports).
+            inside = scan_container(container, needles, paths=())
             checked += inside.locations_checked
             for h in inside.hits:
                 # Only the workspace is the environment; anything else inside the container is a leak.

@@ -25,5 +25,5 @@ def test_sixteen_sessions_under_load_lose_nothing(daemon_factory: Callable[..., 
     assert report.errors == []
     assert report.lost == []
     assert report.verified > SESSIONS, "the run checked too few reads to mean anything"
-    assert {"shell", "write_file", "read_file", "snapshot", "restore"} <= set(report.latencies)
+    assert {"shell", "write_file", "read_file", "snapshot", "restore", "revocation"} <= set(report.latencies)
     assert report.rss_growth(WARMUP_S) <= RSS_GROWTH_LIMIT
