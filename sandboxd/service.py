@@ -370,6 +370,8 @@ class SandboxService:
         self._own_snapshot(session_id, snapshot_id)
         with self.metrics.timed("restore"):
             self._quiesce(session_id)
+            # /tmp is scratch, not part of a snapshot: a restored sandbox starts it empty.
+            self._executor(session_id, {"op": "clear_scratch"}, 10.0)
             # Until the restore is known to be done, no snapshot is known to equal the sandbox.
             self.state.update_session(session_id, env_snapshot=None)
             try:

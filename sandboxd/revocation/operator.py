@@ -31,7 +31,7 @@ from sandboxd.errors import InvalidArguments, InvalidState, NotFound, SandboxdEr
 from sandboxd.provenance.store import ProvenanceStore
 from sandboxd.revocation.detector import InjectionDetector
 from sandboxd.revocation.fingerprint import RevokedFingerprint, excise, fingerprint
-from sandboxd.revocation.leakscan import needles_for, scan_container, scan_paths
+from sandboxd.revocation.leakscan import needles_for, scan_paths
 
 if TYPE_CHECKING:
     from sandboxd.service import SandboxService
@@ -300,14 +300,15 @@ class RevocationOperator:
         env_hits = [f"{h.location}@{h.offset}" for h in report.hits if h.location.startswith(environment)]
         checked = report.locations_checked
         container = self.service.containers.container(sid)
-        if container is not None:
-            # The workspace and the control socket dir are host binds, scanned above; the root filesystem
-            # is read-only. What only the container holds is its tmpfs (and anything diff() reports).
-            inside = scan_container(container, needles, paths=())
+        pid = container.attrs.get("State", {}).get("Pid") if container is not None else None
+        if pid:
+            # The workspace and the control dir are host binds, scanned above, and the root filesystem is
+            # read-only: what only the container holds is its tmpfs, read here through the container's
+            # root as the host sees it, without a round of Docker API calls.
+            root = Path(f"/proc/{pid}/root")
+            inside = scan_paths(needles, [root / "tmp", root / "dev" / "shm"])
             checked += inside.locations_checked
-            for h in inside.hits:
-                # Only the workspace is the environment; anything else inside the container is a leak.
-                (env_hits if "/sandbox/" in h.location else hits).append(f"{h.location}@{h.offset}")
+            hits += [f"container:{h.location.removeprefix(str(root))}@{h.offset}" for h in inside.hits]
         # The agent's engine cache and working memory, as the context text it holds after the replay.
         checked += 1
         if any(n.decode("utf-8", "ignore") in req.engine_context for n in needles[:1]):

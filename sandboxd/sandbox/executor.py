@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import stat
@@ -270,8 +271,26 @@ def reap(_: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True}
 
 
+def clear_scratch(_: dict[str, Any]) -> dict[str, Any]:
+    """Empty /tmp and /dev/shm: scratch space is not in a snapshot, so a restore starts it afresh."""
+    removed = 0
+    for scratch in ("/tmp", "/dev/shm"):
+        for name in os.listdir(scratch) if os.path.isdir(scratch) else []:
+            path = os.path.join(scratch, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+                removed += 1
+            except OSError:
+                pass  # not ours to remove (another user's file cannot exist in a sandbox anyway)
+    return {"ok": True, "removed": removed}
+
+
 OPS = {"run": run_process, "read_file": read_file, "write_file": write_file, "list_dir": list_dir,
-       "reap": reap, "ping": lambda _: {"ok": True, "pid": os.getpid(), "uid": os.getuid()}}
+       "reap": reap, "clear_scratch": clear_scratch,
+       "ping": lambda _: {"ok": True, "pid": os.getpid(), "uid": os.getuid()}}
 
 
 def recv_frame(conn: socket.socket) -> bytes | None:

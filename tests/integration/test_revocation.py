@@ -10,10 +10,12 @@ import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
+import docker
 from agent.compare import agreement, final_state
 from agent.harness import MailSink, Web, daemon_config, run_session
 from agent.revocation import apply, apply_pending
@@ -34,6 +36,11 @@ class World:
         config = daemon_config(Path(tempfile.mkdtemp()) / "sandboxd.toml", self.mail, web)
         self.daemon = factory(["--config", str(config)])
         self.client = self.daemon.client()
+
+    def daemon_container(self, session_id: str) -> Any:
+        """The Docker container of a session of this world's daemon."""
+        info = next(s for s in self.client.sessions() if s.session_id == session_id)
+        return docker.from_env().containers.get(info.container)
 
     def delivered_ids(self) -> list[str]:
         return [str(m["Message-ID"]) for m in self.mail.messages]
@@ -196,3 +203,17 @@ def test_a_replay_cut_by_a_crash_rolls_back_and_can_be_taken_again(worlds: tuple
     report = apply(agent, info.revocation_id)
     assert report.leak_scan["hits"] == 0 and report.calls["fired_twice"] == 0
     assert "admin.txt" not in live.client.call(agent.session_id, "list_dir", {"recursive": True}).stdout
+
+
+def test_the_container_scratch_space_is_scanned_and_emptied(worlds: tuple[World, World], web: Web) -> None:
+    live, _ = worlds
+    agent = run_session(live.client, finance(web.url("/vendors")), WORKSPACE)
+    [info] = live.client.pending_revocations(agent.session_id)
+    # A tool copied the injected page into scratch space, which no snapshot holds.
+    live.client.call(agent.session_id, "python", {"code": f"open('/tmp/copy.txt', 'w').write({INJECTION!r})"})
+    container = live.daemon_container(agent.session_id)
+    scratch = Path(f"/proc/{container.attrs['State']['Pid']}/root/tmp")
+    assert scan_paths(needles_for(INJECTION), [scratch]).hits  # the host can read the container's tmpfs
+    report = apply(agent, info.revocation_id)
+    assert report.leak_scan["hits"] == 0
+    assert live.client.call(agent.session_id, "shell", {"command": "ls -A /tmp"}).stdout == ""
