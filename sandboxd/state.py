@@ -184,6 +184,12 @@ class StateStore:
         with self.lock:
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
+    def vacuum(self) -> None:
+        """Rewrite the whole database (and empty the WAL): the last resort when a scan still finds a value."""
+        with self.lock:
+            self.conn.execute("VACUUM")
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
     # Snapshots ---------------------------------------------------------------------------------
 
     def add_snapshot(self, row: dict[str, Any]) -> None:
