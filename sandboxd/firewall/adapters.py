@@ -294,10 +294,8 @@ class HostAllowlist:
         return url
 
 
-class HttpRequestAdapter(EffectAdapter):
-    """`http_request`: POST/PUT/DELETE to an allowlisted host."""
-
-    manifest = HTTP_REQUEST
+class _AllowlistedHttp(EffectAdapter):
+    """An HTTP tool whose URLs must be on the allowlist, checked before anything is recorded."""
 
     def __init__(self, sender: HttpSender, allowlist: HostAllowlist) -> None:
         self._sender = sender
@@ -307,6 +305,12 @@ class HttpRequestAdapter(EffectAdapter):
     def validate(self, args: dict[str, Any]) -> None:
         """The URL must be http(s) on the allowlist."""
         self._allowlist.check(self.manifest.name, args["url"])
+
+
+class HttpRequestAdapter(_AllowlistedHttp):
+    """`http_request`: POST/PUT/DELETE to an allowlisted host."""
+
+    manifest = HTTP_REQUEST
 
     def intent(self, args: dict[str, Any]) -> dict[str, Any]:
         """Method, URL in httpx's normalised spelling (host case, default port), body."""
@@ -320,19 +324,10 @@ class HttpRequestAdapter(EffectAdapter):
         return self._sender.send(args["method"], url, body, {"Idempotency-Key": call_id})
 
 
-class HttpGetAdapter(EffectAdapter):
+class HttpGetAdapter(_AllowlistedHttp):
     """`http_get`: a read-class GET to an allowlisted host; not ledgered, but still allowlisted."""
 
     manifest = HTTP_GET
-
-    def __init__(self, sender: HttpSender, allowlist: HostAllowlist) -> None:
-        self._sender = sender
-        self._allowlist = allowlist
-        self.timeout_s = sender.timeout_s
-
-    def validate(self, args: dict[str, Any]) -> None:
-        """The URL must be http(s) on the allowlist."""
-        self._allowlist.check(self.manifest.name, args["url"])
 
     def intent(self, args: dict[str, Any]) -> dict[str, Any]:
         """The URL (identifies the read for logging; reads are not ledgered)."""
