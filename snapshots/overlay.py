@@ -219,6 +219,10 @@ class OverlaySnapshotStore(SnapshotStore):
             if newest:
                 write_json_atomic(d / "stack.json", list(newest[-1].layers))
             self._fresh_upper(workspace, self._stack(workspace)[0])
+        view = d / "flatten-view"
+        if view.exists():  # a crash mid-flatten left its read-only view mounted
+            _umount(str(view))
+            view.rmdir()
         for trash in d.glob("trash-*"):
             shutil.rmtree(trash)
         self._ws(workspace).mkdir(parents=True, exist_ok=True)
