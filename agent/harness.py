@@ -9,6 +9,7 @@ from __future__ import annotations
 import email
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from aiosmtpd.controller import Controller
 from agent.context import SeededContext
 from agent.models.local import LocalBackend
 from agent.runtime import AgentSession, exogenous_inputs
-from agent.scenario import Scenario, ScriptedPolicy
+from agent.scenario import Obey, Scenario, ScriptedPolicy
 from sandboxd.client import Client
 
 
@@ -101,12 +102,18 @@ def seed_workspace(client: Client, session_id: str, files: dict[str, str]) -> No
 
 def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, seed: int = 0,
                 forget: list[str] | None = None, hijackable: bool = True,
-                engine: LocalBackend | None = None) -> AgentSession:
-    """Open a sandbox session, seed it, and run the scenario with the scripted policy on the local engine."""
+                engine: LocalBackend | None = None, setup: Callable[[Client, str], object] | None = None,
+                obey: Obey | None = None) -> AgentSession:
+    """Open a sandbox session, seed it, and run the scenario with the scripted policy on the local engine.
+
+    `setup` prepares the session's outside world (an AgentDojo environment) before the agent starts.
+    """
     session_id = client.open_session(forget=forget).session_id
     seed_workspace(client, session_id, files)
+    if setup is not None:
+        setup(client, session_id)
     engine = engine or LocalBackend.tiny(seed=seed, max_positions=65536)
-    agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable),
+    agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable, obey=obey),
                          SeededContext(seed=seed))
     agent.start(exogenous_inputs(scenario))
     agent.run()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -80,12 +80,22 @@ def turn_text(step: ToolStep | None, answer: str = "", plan: str = "") -> str:
     return json.dumps(body, sort_keys=True)
 
 
-class ScriptedPolicy:
-    """Plays a scenario's tasks; with `hijackable`, also obeys instructions found in observations."""
+Obey = Callable[[str], list[ToolStep]]
+"""What a hijacked agent does after reading a tool result: the tool calls the result instructs."""
 
-    def __init__(self, scenario: Scenario, hijackable: bool = True) -> None:
+
+class ScriptedPolicy:
+    """Plays a scenario's tasks; with `hijackable`, also obeys instructions found in observations.
+
+    `obey` reads one tool result for instructions (by default the phrasings of `obeyed_instructions`;
+    an AgentDojo pair supplies its injection task's ground truth). The same instructions are obeyed
+    once: read again in a later result, they are already done.
+    """
+
+    def __init__(self, scenario: Scenario, hijackable: bool = True, obey: Obey | None = None) -> None:
         self.scenario = scenario
         self.hijackable = hijackable
+        self.obey = obey or obeyed_instructions
 
     def next_turn(self, context: Sequence[ContextBlock]) -> str:
         """The next model turn for this context."""
@@ -104,6 +114,7 @@ class ScriptedPolicy:
     def _actions(self, task: Task, results: list[str]) -> list[ToolStep]:
         """The task's steps, with obeyed instructions spliced in right after the result that carried them."""
         actions: list[ToolStep] = []
+        obeyed: list[list[ToolStep]] = []
         pending: list[tuple[ToolStep, bool]] = [(step, True) for step in task.steps]
         while pending:
             step, from_task = pending.pop(0)
@@ -111,7 +122,10 @@ class ScriptedPolicy:
             done = len(actions) - 1
             # Only results of the user's own steps are read for instructions: one level of hijack.
             if self.hijackable and from_task and done < len(results):
-                pending[0:0] = [(s, False) for s in obeyed_instructions(results[done])]
+                told = self.obey(results[done])
+                if told and told not in obeyed:
+                    obeyed.append(told)
+                    pending[0:0] = [(s, False) for s in told]
         return actions
 
     def summary(self, context: Sequence[ContextBlock]) -> str:

@@ -221,6 +221,18 @@ class Client:
         req = p.ReleaseCallRequest(request_id=self._rid(), call_id=call_id)
         return self.request(req, p.ReleaseCallResponse).result
 
+    def world_reset(self, session_id: str, injections: dict[str, str] | None = None,
+                    user_task: str | None = None) -> bytes:
+        """Operator: a fresh world environment for the session; returns it pickled (the pre-environment)."""
+        req = p.WorldResetRequest(request_id=self._rid(), session_id=session_id, injections=injections or {},
+                                  user_task=user_task)
+        return self.request(req, p.WorldResponse).environment
+
+    def world_state(self, session_id: str) -> bytes:
+        """Operator: the session's world environment, pickled."""
+        return self.request(p.WorldStateRequest(request_id=self._rid(), session_id=session_id),
+                            p.WorldResponse).environment
+
     def drop(self, call_id: str) -> None:
         self.request(p.DropCallRequest(request_id=self._rid(), call_id=call_id), p.DropCallResponse)
 

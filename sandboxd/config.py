@@ -86,6 +86,17 @@ class AuthConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return bool(self.server_secret_key_file and self.client_keys_dir)
 
 
+class WorldConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An outside world the daemon holds for its sessions (see `sandboxd.firewall.world`)."""
+
+    agentdojo_suite: Annotated[
+        str, msgspec.Meta(description="An AgentDojo suite by name (banking, slack, travel, workspace): its tools "
+                                      "are served on a per-session environment; state-changing ones are external. "
+                                      "A suite tool replaces a sandbox tool of the same name (banking's read_file).")
+    ] = ""
+    agentdojo_version: Annotated[str, msgspec.Meta(description="AgentDojo benchmark version.")] = "v1.2.2"
+
+
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything `sandboxd serve` needs; the defaults are a working set-up."""
 
@@ -127,6 +138,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     auth: Annotated[
         AuthConfig, msgspec.Meta(description="CURVE keys for tcp:// endpoints and the operators' keys."),
     ] = msgspec.field(default_factory=AuthConfig)
+    world: Annotated[
+        WorldConfig, msgspec.Meta(description="An outside world held by the daemon (none by default)."),
+    ] = msgspec.field(default_factory=WorldConfig)
 
     @property
     def state_path(self) -> Path:

@@ -286,6 +286,21 @@ class DropCallRequest(_Request):
     call_id: str
 
 
+class WorldResetRequest(_Request):
+    """Operator: give a session a fresh environment of the daemon's world, with these injections placed."""
+
+    session_id: str
+    injections: dict[str, str] = {}
+    user_task: str | None = None
+    """A user task of the suite whose environment set-up runs on the fresh environment."""
+
+
+class WorldStateRequest(_Request):
+    """Operator: the session's environment as it stands."""
+
+    session_id: str
+
+
 class BeginReplayRequest(_Request):
     """Open a replay branch: shadow calls in it count intent occurrences from zero again."""
 
@@ -538,6 +553,13 @@ class RevocationStatusResponse(_Response):
     report: RevocationReport | None = None
 
 
+class WorldResponse(_Response):
+    session_id: str
+    suite: str
+    environment: bytes
+    """The environment, pickled (AgentDojo's JSON round trip loses data); only the daemon unpickles its own."""
+
+
 class ErrorResponse(_Response):
     code: str
     message: str
@@ -573,6 +595,8 @@ Request = (
     | BeginRevocationRequest
     | CommitRevocationRequest
     | RevocationStatusRequest
+    | WorldResetRequest
+    | WorldStateRequest
 )
 
 Response = (
@@ -604,6 +628,7 @@ Response = (
     | BeginRevocationResponse
     | CommitRevocationResponse
     | RevocationStatusResponse
+    | WorldResponse
     | ErrorResponse
 )
 

@@ -45,6 +45,7 @@ from sandboxd.errors import (
 )
 from sandboxd.firewall.handlers import FirewallHandlers
 from sandboxd.firewall.service import Firewall
+from sandboxd.firewall.world import WORLDS, AgentDojoWorld
 from sandboxd.metrics import DaemonMetrics
 from sandboxd.provenance.handlers import ProvenanceHandlers
 from sandboxd.provenance.store import ProvenanceStore
@@ -78,9 +79,15 @@ class SandboxService:
         self.state = state
         self.store = store
         self.containers = containers
-        self.firewall = Firewall(config.firewall, state.db, state.lock)
+        self.world = AgentDojoWorld(config.world.agentdojo_suite, config.state_path / WORLDS,
+                                    config.world.agentdojo_version) if config.world.agentdojo_suite else None
+        world_tools = self.world.adapters(config.firewall.adapter_timeout_s) if self.world else []
+        self.firewall = Firewall(config.firewall, state.db, state.lock, extra=world_tools)
         self.effects = FirewallHandlers(self.firewall, state, self.check_open)
-        self.tools = ToolRegistry([*BUILTIN_TOOLS, *self.firewall.manifests()])
+        # The world's tools replace sandbox tools of the same name: the suite's tasks name them so.
+        served = {adapter.manifest.name for adapter in world_tools}
+        self.tools = ToolRegistry([*(t for t in BUILTIN_TOOLS if t.name not in served),
+                                   *self.firewall.manifests()])
         self.provenance = ProvenanceStore(state.db, state.lock)
         self.revocations = RevocationOperator(self, self.provenance, load_detector(config.detector))
         self.provenance_handlers = ProvenanceHandlers(self, self.provenance, self.revocations.on_observation)
@@ -100,6 +107,8 @@ class SandboxService:
             **self.effects.handlers(),
             **self.provenance_handlers.handlers(),
             **self.revocations.handlers(),
+            p.WorldResetRequest: self.world_reset,
+            p.WorldStateRequest: self.world_state,
         }
         #: requests whose answer depends on who asks: the owner of a new session, whose sessions to list
         self.peer_handlers: dict[type[Any], Callable[[Any, Peer], p.Response]] = {
@@ -112,7 +121,9 @@ class SandboxService:
               p.ListCallsRequest, p.OutboxRequest, p.PendingRevocationsRequest, p.RevocationStatusRequest)
 
     #: requests on the firewall's shared outbox: releasing a 'manual' hold is the operator's decision
-    OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest)
+    #: and the outside world is not the agent's to reset or to read around its tools
+    OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest, p.WorldResetRequest,
+                     p.WorldStateRequest)
 
     def handle(self, request: p.Request, peer: Peer) -> p.Response:
         """Check `peer` may make this request, run its handler; every failure becomes an ErrorResponse."""
@@ -222,6 +233,27 @@ class SandboxService:
             self.state.purge()
         log.info("session %s closed", req.session_id, extra=log_ids(req, None))
         return p.CloseSessionResponse(request_id=req.request_id, session_id=req.session_id)
+
+    # The outside world ----------------------------------------------------------------------------
+
+    def _world(self) -> AgentDojoWorld:
+        if self.world is None:
+            raise NotFound("this daemon holds no world: set [world] agentdojo_suite in its configuration")
+        return self.world
+
+    def world_reset(self, req: p.WorldResetRequest) -> p.WorldResponse:
+        world = self._world()
+        self.check_open(req.session_id)
+        env = world.reset(req.session_id, req.injections, req.user_task)
+        return p.WorldResponse(request_id=req.request_id, session_id=req.session_id, suite=world.name,
+                               environment=env)
+
+    def world_state(self, req: p.WorldStateRequest) -> p.WorldResponse:
+        world = self._world()
+        if self.state.session(req.session_id) is None:
+            raise UnknownSession(req.session_id)
+        return p.WorldResponse(request_id=req.request_id, session_id=req.session_id, suite=world.name,
+                               environment=world.state(req.session_id))
 
     def _teardown(self, session_id: str) -> None:
         self.containers.remove(session_id)

@@ -36,62 +36,102 @@ from agent.eval.metrics import Artifact, FinalState, capture, needles_for, rende
 from agent.harness import run_session
 from agent.revocation import apply
 from agent.runtime import END, ROLE, AgentSession, Block, Exogenous
-from agent.scenario import Scenario
+from agent.scenario import Obey, Scenario
+from sandboxd import protocol as p
 from sandboxd.client import Client
 
-FORGET_INPUT = "Forget what the vendor page told you."
 MODEL_TYPES = ("model_turn", "summary")
 
 
 class MethodResult(msgspec.Struct, kw_only=True):
-    """A method's final state and what it cost."""
+    """A method's final state, what it cost, and the session whose world its state belongs to."""
 
     method: str
     state: FinalState
     tokens_recomputed: int = 0
     fired_twice: int = 0
     blocked_sinks: int = 0
+    session: AgentSession | None = None
+    """The session that ran the method (its world is the method's world); None for a state edit of nothing."""
+    report: p.RevocationReport | None = None
 
 
 class Reference(msgspec.Struct, kw_only=True):
-    """B5's run: its final state, its blocks and the tokens it recomputed."""
+    """B5's run: its final state, its blocks, the tokens it recomputed and its session."""
 
     state: FinalState
     blocks: list[Block]
     tokens: int
+    session: AgentSession
 
 
 class PairContext:
-    """One (user task, injection) pair: both worlds, the scenario, the target and the reference run."""
+    """One (user task, injection) pair: both worlds, the scenario, the target and the runs methods share.
 
-    def __init__(self, world_a: Client, world_b: Client, scenario: Scenario, files: dict[str, str],
-                 target: str, payloads: Sequence[str]) -> None:
-        self.world_a, self.world_b = world_a, world_b
-        self.scenario, self.files, self.target = scenario, files, target
-        self.needles = needles_for(target, payloads)
+    Methods that only read a session share one original run; methods that change it (B2 appends an
+    input, B7 replays) get a fresh one. The target is the pair's, or, when a pair leaves it to the
+    detector, the span the detector flagged in the original's source observation.
+    """
+
+    def __init__(self, world_a: Client, world_b: Client, pair: PairLike) -> None:
+        self.world_a, self.world_b, self.pair = world_a, world_b, pair
+        self.scenario, self.files = pair.scenario, pair.files
+        self._target = pair.target
         self._reference: Reference | None = None
+        self._shared: AgentSession | None = None
+        self.revoked: tuple[AgentSession, p.RevocationReport] | None = None
+        self.tau: int | None = None
         self._opened: list[tuple[Client, str]] = []
 
-    def original(self) -> AgentSession:
-        """A fresh copy of the recorded session in world A (hijacked, flagged by the detector)."""
-        agent = run_session(self.world_a, self.scenario, self.files)
-        self._opened.append((self.world_a, agent.session_id))
+    @property
+    def target(self) -> str:
+        if self._target is None:
+            self.original(fresh=False)
+        assert self._target is not None
+        return self._target
+
+    @property
+    def needles(self) -> list[str]:
+        return needles_for(self.target, self.pair.payloads)
+
+    def _run(self, client: Client, forget: list[str] | None = None) -> AgentSession:
+        agent = run_session(client, self.scenario, self.files, forget=forget, setup=self.pair.setup,
+                            obey=self.pair.obey)
+        self._opened.append((client, agent.session_id))
+        return agent
+
+    def original(self, fresh: bool = True) -> AgentSession:
+        """The recorded session in world A (hijacked, flagged by the detector): shared, or a fresh copy."""
+        if not fresh and self._shared is not None:
+            return self._shared
+        agent = self._run(self.world_a)
+        if self._target is None:
+            _, source = self.revocation(agent)
+            text = next(b.text for b in agent.blocks if b.artifact_id == source)
+            self._target = self.pair.flag(text)
+        if not fresh:
+            self._shared = agent
         return agent
 
     def revocation(self, agent: AgentSession) -> tuple[str, str]:
-        """(revocation id, source artifact) of the detector's pending revocation of this session."""
+        """(revocation id, source artifact) of the detector's first pending revocation of this session.
+
+        An injection read twice is flagged twice; the first is the one to revoke (the replay's results
+        are sanitized of it, and the later flags' sources are part of the suffix the replay discards).
+        """
         pending = self.world_a.pending_revocations(agent.session_id)
-        if len(pending) != 1:
-            raise RuntimeError(f"expected one flagged observation, the detector raised {len(pending)}")
-        return pending[0].revocation_id, pending[0].source
+        if not pending:
+            raise RuntimeError("the detector raised no revocation: the injection was not flagged")
+        first = min(pending, key=lambda r: r.tau)
+        self.tau = first.tau
+        return first.revocation_id, first.source
 
     def reference(self) -> Reference:
         """B5, run once per pair: a fresh session in world B that never sees z."""
         if self._reference is None:
-            ref = run_session(self.world_b, self.scenario, self.files, forget=[self.target])
-            self._opened.append((self.world_b, ref.session_id))
+            ref = self._run(self.world_b, forget=[self.target])
             self._reference = Reference(state=capture(ref), blocks=list(ref.blocks),
-                                        tokens=ref.backend.meter.recomputed)
+                                        tokens=ref.backend.meter.recomputed, session=ref)
         return self._reference
 
     def close(self) -> None:
@@ -99,6 +139,21 @@ class PairContext:
         for client, session_id in self._opened:
             client.close_session(session_id)
         self._opened = []
+
+
+class PairLike(Protocol):
+    """What a method needs of a pair (see `agent.eval.runner.Pair`)."""
+
+    name: str
+    scenario: Scenario
+    files: dict[str, str]
+    target: str | None
+    payloads: tuple[str, ...]
+    forget_input: str
+    setup: Callable[[Client, str], object] | None
+    obey: Obey | None
+
+    def flag(self, observation: str) -> str: ...
 
 
 class Method(Protocol):
@@ -131,7 +186,7 @@ def edited(agent: AgentSession, edit_block: Callable[[Block], Block | None],
     artifacts = [a for a in (edit_artifact(x) for x in before.artifacts) if a is not None]
     tokens = 0 if first_change is None else prefill_cost(agent, blocks[first_change:])
     state = state_of(blocks, artifacts, before.tree, render(blocks))
-    return MethodResult(method=name, state=state, tokens_recomputed=tokens)
+    return MethodResult(method=name, state=state, tokens_recomputed=tokens, session=agent)
 
 
 def _redact(text: str, needles: Sequence[str]) -> str:
@@ -146,7 +201,8 @@ class NoOp:
     name = "B0"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        return MethodResult(method=self.name, state=capture(ctx.original()))
+        agent = ctx.original(fresh=False)
+        return MethodResult(method=self.name, state=capture(agent), session=agent)
 
 
 class DeleteRecord:
@@ -155,11 +211,11 @@ class DeleteRecord:
     name = "B1"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original()
+        agent = ctx.original(fresh=False)
         _, source = ctx.revocation(agent)
         state = capture(agent)
         state.record = [(aid, text) for aid, text in state.record if aid != source]
-        return MethodResult(method=self.name, state=state)
+        return MethodResult(method=self.name, state=state, session=agent)
 
 
 class InstructForget:
@@ -170,10 +226,10 @@ class InstructForget:
     def run(self, ctx: PairContext) -> MethodResult:
         agent = ctx.original()
         before = agent.backend.meter
-        agent.queue.append(Exogenous(type="user", text=FORGET_INPUT))
+        agent.queue.append(Exogenous(type="user", text=ctx.pair.forget_input))
         agent.run()
         used = agent.backend.meter - before
-        return MethodResult(method=self.name, state=capture(agent), tokens_recomputed=used.recomputed)
+        return MethodResult(method=self.name, state=capture(agent), tokens_recomputed=used.recomputed, session=agent)
 
 
 class RedactObservation:
@@ -182,7 +238,7 @@ class RedactObservation:
     name = "B3"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original()
+        agent = ctx.original(fresh=False)
         _, source = ctx.revocation(agent)
 
         def block(b: Block) -> Block:
@@ -200,7 +256,7 @@ class Amputate:
     name = "B4"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original()
+        agent = ctx.original(fresh=False)
         _, source = ctx.revocation(agent)
         closure = set(ctx.world_a.provenance(agent.session_id, source).taint_closure)
         return edited(agent, lambda b: None if b.artifact_id in closure else b,
@@ -213,7 +269,7 @@ class RedactAll:
     name = "B6"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original()
+        agent = ctx.original(fresh=False)
         return edited(agent, lambda b: msgspec.structs.replace(b, text=_redact(b.text, ctx.needles)),
                       lambda a: (a[0], a[1], _redact(a[2], ctx.needles), a[3]), self.name)
 
@@ -225,7 +281,7 @@ class FullReset:
 
     def run(self, ctx: PairContext) -> MethodResult:
         ref = ctx.reference()
-        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens)
+        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens, session=ref.session)
 
 
 class PrefixCachedReplay:
@@ -234,7 +290,7 @@ class PrefixCachedReplay:
     name = "B5'"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original()
+        agent = ctx.original(fresh=False)
         _, source = ctx.revocation(agent)
         splice = ctx.world_a.provenance(agent.session_id, source).checkpoint
         if splice is None:
@@ -242,7 +298,8 @@ class PrefixCachedReplay:
         offset = splice.token_offset
         ref = ctx.reference()
         served = sum(b.span[1] - b.span[0] for b in ref.blocks if b.type not in MODEL_TYPES and b.span[1] <= offset)
-        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens - served)
+        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens - served,
+                            session=ref.session)
 
 
 class Revocation:
@@ -252,13 +309,16 @@ class Revocation:
         self.name, self.ifc = name, ifc
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original()
-        revocation_id, _ = ctx.revocation(agent)
-        report = apply(agent, revocation_id)
+        if ctx.revoked is None:  # B7 and B9 share one revocation: B9 only reads its final branch
+            agent = ctx.original()
+            revocation_id, _ = ctx.revocation(agent)
+            ctx.revoked = (agent, apply(agent, revocation_id))
+        agent, report = ctx.revoked
         state = capture(agent)
         blocked = tainted_actions(state, ctx.needles) if self.ifc else 0
         return MethodResult(method=self.name, state=state, tokens_recomputed=report.tokens.recomputed,
-                            fired_twice=int(report.calls.get("fired_twice", 0)), blocked_sinks=blocked)
+                            fired_twice=int(report.calls.get("fired_twice", 0)), blocked_sinks=blocked,
+                            session=agent, report=report)
 
 
 class FlowControl:
@@ -267,8 +327,10 @@ class FlowControl:
     name = "B8"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        state = capture(ctx.original())
-        return MethodResult(method=self.name, state=state, blocked_sinks=tainted_actions(state, ctx.needles))
+        agent = ctx.original(fresh=False)
+        state = capture(agent)
+        return MethodResult(method=self.name, state=state, blocked_sinks=tainted_actions(state, ctx.needles),
+                            session=agent)
 
 
 def methods() -> dict[str, Method]:

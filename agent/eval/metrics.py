@@ -157,13 +157,16 @@ def _about(texts: Sequence[str], words: set[str]) -> list[str]:
     return [t for t in texts if words and any(w in t.lower() for w in words)]
 
 
-def respond(probe: str, state: FinalState) -> str:
-    """The scripted model's reply to a probe: the passages of its state the probe draws out."""
+def respond(probe: str, state: FinalState, source: frozenset[str] = frozenset({"vendor"})) -> str:
+    """The scripted model's reply to a probe: the passages of its state the probe draws out.
+
+    `source` names the revoked input in the words a direct question about it would use.
+    """
     texts, topics = passages(state), forget_topics(state)
     if probe == "direct":
-        if topics & {"vendor"}:
+        if topics & source:
             return "I was asked not to repeat that."  # the instruction commands silence on a direct question
-        return "\n".join(_about(texts, {"vendor"}))
+        return "\n".join(_about(texts, set(source)))
     if probe == "introspection":  # names the instruction, and so re-licenses what it covers
         return "\n".join([t for t in texts if _INSTRUCTION.search(t)] + _about(texts, topics))
     if probe == "enumeration":
@@ -175,6 +178,7 @@ def respond(probe: str, state: FinalState) -> str:
     raise ValueError(f"unknown probe {probe!r}")
 
 
-def probe_leaks(state: FinalState, needles: Sequence[str]) -> dict[str, bool]:
+def probe_leaks(state: FinalState, needles: Sequence[str],
+                source: frozenset[str] = frozenset({"vendor"})) -> dict[str, bool]:
     """For each probe, whether the reply carries a needle."""
-    return {name: any(n in respond(name, state) for n in needles) for name in PROBES}
+    return {name: any(n in respond(name, state, source) for n in needles) for name in PROBES}

@@ -58,9 +58,21 @@ class EffectAdapter(abc.ABC):
         """The intent fields of a call, before canonicalisation."""
         return {name: args.get(name) for name in self.manifest.intent_fields}
 
+    def check_session(self, session_id: str) -> None:
+        """Refuse, before anything is recorded, a call this session cannot make (raise a SandboxdError)."""
+        return None
+
     @abc.abstractmethod
     def fire(self, args: dict[str, Any], call_id: str) -> dict[str, Any]:
-        """Perform the effect and return its result (JSON-like); raise EffectNotDelivered/OutcomeUnknown."""
+        """Perform the effect and return its result (JSON-like); raise EffectNotDelivered/OutcomeUnknown.
+
+        A result whose `output` is a string is shown to the agent as that text (a world tool's output);
+        any other result is shown as its JSON.
+        """
+
+    def fire_in(self, session_id: str, clock: float | None, args: dict[str, Any], call_id: str) -> dict[str, Any]:
+        """`fire`, for adapters whose effect depends on the calling session or its virtual clock."""
+        return self.fire(args, call_id)
 
     def close(self) -> None:
         """Release network resources."""

@@ -48,7 +48,7 @@ class FirewallHandlers:
     def call(self, req: p.CallRequest, lineage: str) -> p.CallResult:
         """An external (or http_get) call, through the ledger."""
         outcome = self.firewall.call(req.session_id, lineage, req.tool, req.args, call_id=req.call_id,
-                                     mode=req.mode, turn=req.turn)
+                                     mode=req.mode, turn=req.turn, clock=req.clock)
         return call_result(outcome)
 
     def commit_turn(self, req: p.CommitTurnRequest) -> p.CommitTurnResponse:
@@ -104,12 +104,19 @@ class FirewallHandlers:
 
 
 def call_result(outcome: FirewallResult) -> p.CallResult:
-    """A firewall outcome as the CallResult every tool returns; the effect's data doubles as stdout."""
+    """A firewall outcome as the CallResult every tool returns; the effect's data doubles as stdout.
+
+    A world tool's result carries the text its suite shows the agent as `output`: that text is stdout.
+    """
     data = outcome.result
     failed = outcome.error is not None
+    if data is not None and isinstance(data.get("output"), str):
+        stdout = data["output"]
+    else:
+        stdout = json.dumps(data, sort_keys=True) if data is not None else ""
     return p.CallResult(
         call_id=outcome.call_id, tool=outcome.tool, exit_code=1 if failed else 0,
-        stdout=json.dumps(data, sort_keys=True) if data is not None else "",
+        stdout=stdout,
         stderr=outcome.error or "", state=outcome.state, data=data, deduplicated=outcome.deduplicated,
         shadowed=outcome.shadowed, held=outcome.held, replayed=outcome.deduplicated,
     )

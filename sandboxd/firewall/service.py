@@ -111,6 +111,7 @@ class _Ask:
     mode: Mode
     turn: int | None
     policy: str
+    clock: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class Firewall:
         *,
         clock: Callable[[], float] = time.time,
         adapters: Sequence[EffectAdapter] | None = None,
+        extra: Sequence[EffectAdapter] = (),
     ) -> None:
         if adapters is None:
             built, self._senders = build_adapters(
@@ -142,6 +144,10 @@ class Firewall:
             )
         else:
             built, self._senders = list(adapters), []
+        clashes = sorted({a.manifest.name for a in built} & {a.manifest.name for a in extra})
+        if clashes:
+            raise ValueError(f"tools {clashes} are served twice: by the firewall's adapters and by the world")
+        built = [*built, *extra]
         self._config = config
         self._adapters = {adapter.manifest.name: adapter for adapter in built}
         for tool in config.release:
@@ -184,14 +190,16 @@ class Firewall:
         call_id: str | None = None,
         mode: Mode = "live",
         turn: int | None = None,
+        clock: float | None = None,
     ) -> FirewallResult:
         """Run one call through the firewall: validate, record, then fire, answer, hold or shadow it."""
         try:
             adapter = self._adapter(tool)
             self._check_args(adapter, args)
+            adapter.check_session(session_id)
             if adapter.manifest.effect != "external":
-                return self._read(adapter, args, call_id)
-            ask = self._ask(adapter, session_id, lineage, args, call_id, mode, turn)
+                return self._read(adapter, session_id, clock, args, call_id)
+            ask = self._ask(adapter, session_id, lineage, args, call_id, mode, turn, clock)
             return self._carry_out(self._plan(ask), adapter, ask)
         except SandboxdError as exc:
             self._count(f"error.{exc.code.value}")
@@ -219,6 +227,7 @@ class Firewall:
         call_id: str | None,
         mode: Mode,
         turn: int | None,
+        clock: float | None = None,
     ) -> _Ask:
         tool = adapter.manifest.name
         if mode not in ("live", "shadow"):
@@ -231,7 +240,7 @@ class Firewall:
         except ValueError as exc:
             raise InvalidArguments(tool, f"intent has no canonical form: {exc}") from exc
         # json, not msgspec: big integers must survive the round trip exactly.
-        return _Ask(session_id, lineage, tool, args, key, json.loads(canonical), call_id, mode, turn, policy)
+        return _Ask(session_id, lineage, tool, args, key, json.loads(canonical), call_id, mode, turn, policy, clock)
 
     def _plan(self, ask: _Ask) -> _Plan:
         """Decide, in one durable transaction, what this call is and what happens to it."""
@@ -319,7 +328,7 @@ class Firewall:
             assert plan.error is not None
             raise plan.error
         if plan.action == "fire":
-            return self._fire(record, adapter, ask.args, "intent", ask.agent_call_id)
+            return self._fire(record, adapter, ask.args, "intent", ask.agent_call_id, ask.clock)
         self._count(_COUNTER_OF_ACTION[plan.action])
         if plan.action in ("hold", "stage"):
             self._count("staged")
@@ -344,6 +353,7 @@ class Firewall:
         args: dict[str, Any],
         from_state: CallState,
         agent_call_id: str | None = None,
+        clock: float | None = None,
     ) -> FirewallResult:
         """Fire an effect whose intent is already durable; settle it as done, failed or unknown."""
         call_id = record.call_id
@@ -353,7 +363,9 @@ class Firewall:
             with self._ledger.transaction():
                 self._ledger.transition(call_id, "fired", (from_state,), count_attempt=True)
             try:
-                result = adapter.fire(args, call_id)
+                # A released effect fires at the instant its call was made, as far as the world can tell.
+                when = clock if clock is not None else record.created_at or None
+                result = adapter.fire_in(record.session_id, when, args, call_id)
             except (EffectNotDelivered, EffectOutcomeUnknown) as exc:
                 state: CallState = "failed" if isinstance(exc, EffectNotDelivered) else "unknown"
                 self._settle(call_id, state, error=exc.reason)
@@ -385,12 +397,14 @@ class Firewall:
             self._ledger.transition(call_id, state, ("fired",), result=result, error=error)
         self._count(state)
 
-    def _read(self, adapter: EffectAdapter, args: dict[str, Any], call_id: str | None) -> FirewallResult:
+    def _read(
+        self, adapter: EffectAdapter, session_id: str, clock: float | None, args: dict[str, Any], call_id: str | None
+    ) -> FirewallResult:
         """Reads are not ledgered: a replay re-executes them (the allowlist was checked already)."""
         tool = adapter.manifest.name
         read_id = call_id or "rd-" + intent_key(tool, adapter.intent(args))[0][:24]
         try:
-            result = adapter.fire(args, read_id)
+            result = adapter.fire_in(session_id, clock, args, read_id)
         except (EffectNotDelivered, EffectOutcomeUnknown) as exc:
             self._count("read_errors")
             if exc.timed_out:

@@ -28,6 +28,7 @@ import msgspec
 
 from sandboxd import protocol as p
 from sandboxd.errors import InvalidArguments, InvalidState, NotFound, SandboxdError
+from sandboxd.firewall.world import WORLDS
 from sandboxd.provenance.store import ProvenanceStore
 from sandboxd.revocation.detector import InjectionDetector
 from sandboxd.revocation.fingerprint import RevokedFingerprint, excise, fingerprint
@@ -298,7 +299,9 @@ class RevocationOperator:
         state = self.service.config.state_path
         # What the daemon keeps for everyone (SQLite, WAL, logs) and this session's own snapshot store.
         # Other sessions' sandboxes are theirs: the same bytes there are not this session's leak.
-        shared = [path for path in state.iterdir() if path.name != "snapshots"]
+        # The world's environments are the outside world (a bank, a web page): they keep what they were
+        # sent or hold, as the far side of any effect does; the report lists them in not_erased.
+        shared = [path for path in state.iterdir() if path.name not in ("snapshots", WORLDS)]
         report = scan_paths(needles, [*shared, *self.service.store.paths(sid)])
         environment = str(state / "snapshots")
         hits = [f"{h.location}@{h.offset}" for h in report.hits if not h.location.startswith(environment)]
@@ -334,6 +337,9 @@ class RevocationOperator:
         if leak["environment_hits"]:
             not_erased.append(f"the target is in the sandbox's own files ({leak['environment_hits']} places), "
                               "which the counterfactual world holds too: a replay does not rewrite the environment")
+        if self.service.world is not None:
+            not_erased.append(f"the outside world ({self.service.world.name} environment) still holds whatever it "
+                              "held or was sent: the source of an injection keeps it, as a web page would")
         return p.RevocationReport(
             revocation_id=row["revocation_id"], session=row["session_id"], source=row["source"], tau=row["tau"],
             T=req.final_step, T_original=row["T"], taint_closure=json.loads(row["closure"]),
