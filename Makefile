@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest engine image bench clean
+.PHONY: demo test lint typecheck pytest engine image bench eval clean
 
 demo: $(STAMP) image
 	$(PY) -m sandboxd.demo
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU build on disk, never the multi-GB CUDA one an unpinned pull takes.
 	$(PY) -m pip install --quiet 'torch==2.13.0'
-	$(PY) -m pip install --quiet -e '.[test,local,sglang]'
+	$(PY) -m pip install --quiet -e '.[test,local,sglang,eval]'
 	touch $(STAMP)
 
 engine:
@@ -41,6 +41,15 @@ bench: $(STAMP) image
 	$(PY) -m benchmarks.bench_snapshots
 	$(PY) benchmarks/bench_firewall.py
 	$(PY) -m benchmarks.bench_revocation
+	$(PY) -m benchmarks.bench_eval --limit 30
+
+# Every method on the built-in suite and on AgentDojo's banking and slack suites, under both release
+# policies: tables on stdout, JSON and PNG plots in out/eval (a rerun resumes from the journal).
+eval: $(STAMP) image
+	for policy in immediate on_commit; do \
+	  $(PY) -m agent.eval --suite builtin --suite banking --suite slack --release-policy $$policy \
+	    --json out/eval/eval-$$policy.json || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

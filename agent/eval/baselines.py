@@ -27,6 +27,7 @@ by the injected vendor page, flagged by the daemon's detector. What each method 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -52,8 +53,10 @@ class MethodResult(msgspec.Struct, kw_only=True):
     fired_twice: int = 0
     blocked_sinks: int = 0
     session: AgentSession | None = None
-    """The session that ran the method (its world is the method's world); None for a state edit of nothing."""
+    """The session whose world is the method's world."""
     report: p.RevocationReport | None = None
+    wall_s: float = 0.0
+    """Wall time of the method's own work (B5: its whole run; B7: the revocation; not the original run)."""
 
 
 class Reference(msgspec.Struct, kw_only=True):
@@ -63,6 +66,7 @@ class Reference(msgspec.Struct, kw_only=True):
     blocks: list[Block]
     tokens: int
     session: AgentSession
+    wall_s: float
 
 
 class PairContext:
@@ -79,7 +83,7 @@ class PairContext:
         self._target = pair.target
         self._reference: Reference | None = None
         self._shared: AgentSession | None = None
-        self.revoked: tuple[AgentSession, p.RevocationReport] | None = None
+        self.revoked: tuple[AgentSession, p.RevocationReport, float] | None = None
         self.tau: int | None = None
         self._opened: list[tuple[Client, str]] = []
 
@@ -129,9 +133,12 @@ class PairContext:
     def reference(self) -> Reference:
         """B5, run once per pair: a fresh session in world B that never sees z."""
         if self._reference is None:
-            ref = self._run(self.world_b, forget=[self.target])
+            target = self.target
+            started = time.perf_counter()
+            ref = self._run(self.world_b, forget=[target])
+            wall = time.perf_counter() - started
             self._reference = Reference(state=capture(ref), blocks=list(ref.blocks),
-                                        tokens=ref.backend.meter.recomputed, session=ref)
+                                        tokens=ref.backend.meter.recomputed, session=ref, wall_s=wall)
         return self._reference
 
     def close(self) -> None:
@@ -281,7 +288,8 @@ class FullReset:
 
     def run(self, ctx: PairContext) -> MethodResult:
         ref = ctx.reference()
-        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens, session=ref.session)
+        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens, session=ref.session,
+                            wall_s=ref.wall_s)
 
 
 class PrefixCachedReplay:
@@ -312,13 +320,14 @@ class Revocation:
         if ctx.revoked is None:  # B7 and B9 share one revocation: B9 only reads its final branch
             agent = ctx.original()
             revocation_id, _ = ctx.revocation(agent)
-            ctx.revoked = (agent, apply(agent, revocation_id))
-        agent, report = ctx.revoked
+            started = time.perf_counter()
+            ctx.revoked = (agent, apply(agent, revocation_id), time.perf_counter() - started)
+        agent, report, wall = ctx.revoked
         state = capture(agent)
         blocked = tainted_actions(state, ctx.needles) if self.ifc else 0
         return MethodResult(method=self.name, state=state, tokens_recomputed=report.tokens.recomputed,
                             fired_twice=int(report.calls.get("fired_twice", 0)), blocked_sinks=blocked,
-                            session=agent, report=report)
+                            session=agent, report=report, wall_s=wall)
 
 
 class FlowControl:

@@ -183,7 +183,8 @@ class Judge:
             # (under on_commit, those of the tools that stay immediate, like a page visit).
             fired = dojo_pairs.hijack_external(self.pair, agent.client, agent.session_id)
             expected = [c for c in fired if self.release == "immediate" or c[0] in RETURNS_DATA]
-            row.update(orphaned=len(orphaned), orphaned_exact=int(orphaned == expected), orphaned_calls=orphaned)
+            row.update(orphaned=len(orphaned), orphaned_exact=int(orphaned == expected),
+                       orphaned_calls=[list(c) for c in orphaned])
         return row
 
 
@@ -203,7 +204,7 @@ def run_pair(pair: Pair, world: Worlds, names: Sequence[str], progress: Callable
             try:
                 result = table[name].run(ctx)
                 rows[name] = score(result, reference, ctx.needles, ctx.target, pair.source_words)
-                rows[name]["tau"] = ctx.tau
+                rows[name].update(tau=ctx.tau, wall_s=result.wall_s)
                 if judge is not None:
                     rows[name].update(judge.columns(result, ref_verdict, hijacked))
             except Exception as exc:
@@ -293,7 +294,7 @@ def _journal(journal: Path | None, suite: str, release: str, pair: str, rows: di
 def _cell(value: Any, column: str) -> str:
     if value is None:
         return "error"
-    return f"{value:.0f}" if column in ("tokens_recomputed", "orphaned") else f"{value:.2f}"
+    return f"{value:.0f}" if column == "tokens_recomputed" else f"{value:.2f}"
 
 
 HEADS = {"any_leak": "any-leak", "cad": "CAD", "agreement": "agreement", "leak_at_probes": "Leak@probes",

@@ -66,16 +66,16 @@ _clock: contextvars.ContextVar[float | None] = contextvars.ContextVar("agentdojo
 
 
 class _FrozenDatetime(_dt.datetime):
-    """`datetime.datetime` whose now() is the current call's frozen clock."""
+    """`datetime.datetime` whose now() is the current call's frozen clock (a plain datetime, as before)."""
 
     @classmethod
-    def now(cls, tz: _dt.tzinfo | None = None) -> _FrozenDatetime:
+    def now(cls, tz: _dt.tzinfo | None = None) -> _dt.datetime:  # type: ignore[override]
         frozen = _clock.get()
         if frozen is None:
-            return super().now(tz)
-        moment = _dt.datetime.fromtimestamp(frozen, tz or _dt.UTC)
-        moment = moment if tz is not None else moment.replace(tzinfo=None)
-        return cls.combine(moment.date(), moment.timetz() if tz else moment.time())
+            return _dt.datetime.now(tz)
+        if tz is not None:
+            return _dt.datetime.fromtimestamp(frozen, tz)
+        return _dt.datetime.fromtimestamp(frozen, _dt.UTC).replace(tzinfo=None)
 
 
 def _freeze_suite_clocks() -> None:
@@ -128,6 +128,7 @@ class AgentDojoWorld:
         for function in self.suite.tools:
             schema = function.parameters.model_json_schema()
             schema.pop("title", None)
+            schema["additionalProperties"] = False  # pydantic would drop an unknown argument silently
             external = function.name in STATE_CHANGING
             manifests.append(ToolManifest(
                 name=function.name, description=function.description or function.name, parameters=schema,

@@ -227,6 +227,7 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "ProvenanceRequest": {"source": "user-1"}, "RevokeRequest": {"source": "user-1"},
     "BeginRevocationRequest": {}, "RevocationStatusRequest": {},
     "CommitRevocationRequest": {"tokens": {}, "transitions_replayed": 0, "final_step": 0},
+    "WorldResetRequest": {"injections": {"v": "x"}}, "WorldStateRequest": {},
 }
 
 
@@ -250,6 +251,11 @@ def test_every_request_naming_a_session_is_refused_to_others(curve: CurveDaemon)
         fields = {"outcome": "done"} if name == "ResolveCallRequest" else {}
         request = msgspec.convert({"request_id": "r", "call_id": "fx-1", **fields}, p.REQUEST_TYPES[name])
         reply = b.send_raw(p.encode(request))
+        assert isinstance(reply, p.ErrorResponse) and reply.code == "unauthorized", (name, reply)
+    # The outside world is the operator's: not even a session's owner resets it or reads it whole.
+    for name in ("WorldResetRequest", "WorldStateRequest"):
+        request = msgspec.convert({"request_id": "r", "session_id": session}, p.REQUEST_TYPES[name])
+        reply = a.send_raw(p.encode(request))
         assert isinstance(reply, p.ErrorResponse) and reply.code == "unauthorized", (name, reply)
     # Nothing the refused requests asked for happened.
     assert a.call(session, "shell", {"command": "ls /workspace"}).stdout == ""

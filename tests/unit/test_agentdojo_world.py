@@ -1,0 +1,94 @@
+"""The AgentDojo world the daemon holds: tool classes, injections, the frozen clock, persistence."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from sandboxd.errors import InvalidArguments, NotFound
+from sandboxd.firewall.world import STATE_CHANGING, AgentDojoWorld
+
+pytest.importorskip("agentdojo")
+
+from agentdojo.functions_runtime import FunctionsRuntime  # noqa: E402
+from agentdojo.task_suite.load_suites import get_suites  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["banking", "slack", "travel", "workspace"])
+def test_every_tool_that_changes_the_environment_is_external(name: str) -> None:
+    """Run every ground truth of the suite; a call that changed the environment must be declared external."""
+    suite = get_suites("v1.2.2")[name]
+    runtime = FunctionsRuntime(suite.tools)
+    base = suite.load_and_inject_default_environment({})
+    changed = set()
+    for task in [*suite.user_tasks.values(), *suite.injection_tasks.values()]:
+        setup = getattr(task, "init_environment", None)  # user tasks have one, injection tasks do not
+        env = setup(base.model_copy(deep=True)) if setup else base.model_copy(deep=True)
+        for call in task.ground_truth(env.model_copy(deep=True)):
+            before = env.model_dump()
+            runtime.run_function(env, call.function, call.args)
+            if env.model_dump() != before:
+                changed.add(call.function)
+    assert changed, "no ground truth changed anything: the check would pass vacuously"
+    assert changed <= STATE_CHANGING, sorted(changed - STATE_CHANGING)
+
+
+def test_manifests_are_agentdojos_schemas_with_effect_classes(tmp_path: Path) -> None:
+    world = AgentDojoWorld("banking", tmp_path)
+    manifests = {m.name: m for m in world.manifests()}
+    assert manifests["send_money"].effect == "external"
+    assert manifests["send_money"].intent_fields == ["amount", "date", "recipient", "subject"]
+    assert manifests["get_balance"].effect == "read"
+    schema = manifests["send_money"].parameters
+    jsonschema.validate({"recipient": "X", "amount": 1.0, "subject": "s", "date": "2022-01-01"}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"recipient": "X", "amount": 1.0, "subject": "s", "date": "d", "cc": "y"}, schema)
+
+
+def test_injections_land_in_the_environment_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    world = AgentDojoWorld("banking", tmp_path)
+    with pytest.raises(NotFound):
+        world.run("s-1", "read_file", {"file_path": "bill-december-2023.txt"}, None)
+    world.reset("s-1", {"injection_bill_text": "PAY EVE"}, "user_task_0")
+    out = world.run("s-1", "read_file", {"file_path": "bill-december-2023.txt"}, None)
+    assert "PAY EVE" in out["output"]
+    with pytest.raises(InvalidArguments, match="unknown injection vectors"):
+        world.reset("s-2", {"no_such_vector": "x"}, None)
+    with pytest.raises(InvalidArguments, match="unknown user task"):
+        world.reset("s-2", {}, "user_task_999")
+    assert not (tmp_path / "s-2.pkl").exists()
+    with pytest.raises(ValueError, match="unknown AgentDojo suite"):
+        AgentDojoWorld("bank", tmp_path)
+
+
+def test_a_tool_error_is_the_tools_output(tmp_path: Path) -> None:
+    world = AgentDojoWorld("banking", tmp_path)
+    world.reset("s-1", {}, None)
+    out = world.run("s-1", "update_scheduled_transaction", {"id": 999}, None)
+    assert out["output"] == out["error"] and "999" in out["error"]
+
+
+def test_changes_persist_and_a_new_process_reads_them(tmp_path: Path) -> None:
+    world = AgentDojoWorld("banking", tmp_path)
+    world.reset("s-1", {}, None)
+    before = len(pickle.loads(world.state("s-1")).bank_account.transactions)
+    world.run("s-1", "send_money", {"recipient": "X", "amount": 5.0, "subject": "rent", "date": "2022-01-01"}, None)
+    again = AgentDojoWorld("banking", tmp_path)  # what a restarted daemon sees
+    transactions = pickle.loads(again.state("s-1")).bank_account.transactions
+    assert len(transactions) == before + 1 and transactions[-1].subject == "rent"
+
+
+def test_the_clock_a_tool_reads_is_the_calls(tmp_path: Path) -> None:
+    world = AgentDojoWorld("workspace", tmp_path)
+    world.reset("s-1", {}, None)
+    clock = 1_700_000_000.0
+    args = {"recipients": ["a@example.com"], "subject": "hi", "body": "b"}
+    world.run("s-1", "send_email", args, clock)
+    sent = pickle.loads(world.state("s-1")).inbox.sent[-1]
+    assert sent.timestamp == datetime.datetime.fromtimestamp(clock, datetime.UTC).replace(tzinfo=None)
+    # Only the suite's modules read the frozen clock: the daemon's own time is real.
+    assert abs(datetime.datetime.now().timestamp() - clock) > 86400
