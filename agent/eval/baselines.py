@@ -1,14 +1,16 @@
 """The paper's baselines, each a revocation strategy behind one interface, applied to the same recorded session.
 
-Every method but the references gets its own fresh copy of the original session: the scenario run
-again in world A (deterministic: the scripted policy on the local engine, a seeded context), hijacked
-by the injected vendor page, flagged by the daemon's detector. What each method ends with:
+The original session is the scenario run in world A (deterministic: the scripted policy on the local
+engine, a seeded context), hijacked by the injected input and flagged by the daemon's detector.
+Methods that only read it (B0, B1, B3, B4, B5', B6, B8) share one run; B2 and B7 change a session and
+get a fresh copy each (B9 reads B7's). The references run in world B. What each method ends with:
 
 - B0 no-op: the original state, unchanged.
 - B1 delete the persistent record: the daemon's copy of the source observation is dropped from the
   record; the agent's answer, summaries, plans, context and cache are untouched.
-- B2 instruct the model to forget: a user input "Forget what the vendor page told you" is appended
-  and the agent answers it; everything it held stays, plus the instruction and its reply.
+- B2 instruct the model to forget: a user input ("Forget what the vendor page told you.", the pair's
+  `forget_input`) is appended and the agent answers it; everything it held stays, plus the
+  instruction and its reply.
 - B3 redact the raw observation: z is excised from the source observation's text; derived artifacts
   (plans, tool calls, summaries, memories, later observations) are kept; the cache is re-prefilled
   from the edited block on; the sandbox is not touched.
