@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -238,7 +239,8 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def evaluate(suite: str, names: Sequence[str], release: str = "immediate", limit: int | None = None,
-             progress: Callable[[str], None] = print, journal: Path | None = None) -> dict[str, Any]:
+             progress: Callable[[str], None] = print, journal: Path | None = None,
+             only: Sequence[str] = ()) -> dict[str, Any]:
     """Run a suite: per method, the aggregate over its pairs.
 
     With `journal`, every finished pair is appended to it as one JSON line, and pairs already there
@@ -250,7 +252,9 @@ def evaluate(suite: str, names: Sequence[str], release: str = "immediate", limit
     done = _journaled(journal, suite, release)
     per_method: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with worlds(release, suite) as world:
-        pairs = suite_pairs(suite, world.web)[:limit]
+        pairs = [p for p in suite_pairs(suite, world.web) if not only or p.name in only][:limit]
+        if only and len(pairs) < len(set(only)):
+            raise SystemExit(f"no such pairs in {suite}: {sorted(set(only) - {p.name for p in pairs})}")
         started = time.monotonic()
         for i, pair in enumerate(pairs, 1):
             rows = done.get(pair.name)
@@ -365,16 +369,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated (default {ALL_METHODS})")
     parser.add_argument("--release-policy", default="immediate", choices=("immediate", "on_commit"))
     parser.add_argument("--limit", type=int, help="the first N pairs of each suite")
+    parser.add_argument("--pair", action="append", default=[], help="only this pair (repeatable), e.g. "
+                                                                     "banking/user_task_2/injection_task_7")
     parser.add_argument("--json", type=Path, help="write the results here; pairs are journaled beside it "
                                                    "(NAME.journal.jsonl), so a rerun resumes")
     parser.add_argument("--plots", type=Path, help="write PNG plots here (default: beside --json)")
     args = parser.parse_args(argv)
+    # A TERM (a killed job, a CI timeout) unwinds like ^C: the daemons and sandboxes are shut down and
+    # the journal keeps the finished pairs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     journal = args.json.with_suffix(".journal.jsonl") if args.json else None
     report: dict[str, Any] = {}
     for suite in args.suite or ["builtin"]:
+        only = [name for name in args.pair if name.startswith(suite + "/")]
+        if args.pair and not only:
+            continue
         results = evaluate(suite, names, args.release_policy, args.limit,
-                           lambda s: print(s, file=sys.stderr, flush=True), journal=journal)
+                           lambda s: print(s, file=sys.stderr, flush=True), journal=journal, only=only)
         report.setdefault(suite, {})[args.release_policy] = results
         print(f"\n## {suite} ({args.release_policy})\n\n{markdown(results)}\n", flush=True)
     if args.json:

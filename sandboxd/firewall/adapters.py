@@ -70,9 +70,15 @@ class EffectAdapter(abc.ABC):
         any other result is shown as its JSON.
         """
 
-    def fire_in(self, session_id: str, clock: float | None, args: dict[str, Any], call_id: str) -> dict[str, Any]:
-        """`fire`, for adapters whose effect depends on the calling session or its virtual clock."""
+    def fire_in(self, session_id: str, clock: float | None, args: dict[str, Any], call_id: str,
+                branch: str = "") -> dict[str, Any]:
+        """`fire`, for adapters whose effect depends on the calling session, its branch or its virtual clock."""
         return self.fire(args, call_id)
+
+    def shadow(self, session_id: str, branch: str, clock: float | None, args: dict[str, Any]) -> None:
+        """A replay's call that did not fire (answered from the ledger, or staged): a simulated world
+        the adapter holds takes its effect in the branch's shadow. Real far sides have no shadow."""
+        return None
 
     def close(self) -> None:
         """Release network resources."""

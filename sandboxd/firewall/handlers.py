@@ -48,7 +48,7 @@ class FirewallHandlers:
     def call(self, req: p.CallRequest, lineage: str) -> p.CallResult:
         """An external (or http_get) call, through the ledger."""
         outcome = self.firewall.call(req.session_id, lineage, req.tool, req.args, call_id=req.call_id,
-                                     mode=req.mode, turn=req.turn, clock=req.clock)
+                                     mode=req.mode, turn=req.turn, clock=req.clock, branch=req.branch)
         return call_result(outcome)
 
     def commit_turn(self, req: p.CommitTurnRequest) -> p.CommitTurnResponse:

@@ -191,16 +191,24 @@ class Firewall:
         mode: Mode = "live",
         turn: int | None = None,
         clock: float | None = None,
+        branch: str = "",
     ) -> FirewallResult:
-        """Run one call through the firewall: validate, record, then fire, answer, hold or shadow it."""
+        """Run one call through the firewall: validate, record, then fire, answer, hold or shadow it.
+
+        `branch` names the agent's replay branch, for adapters that hold a shadow world for it.
+        """
         try:
             adapter = self._adapter(tool)
             self._check_args(adapter, args)
             adapter.check_session(session_id)
             if adapter.manifest.effect != "external":
-                return self._read(adapter, session_id, clock, args, call_id)
+                return self._read(adapter, session_id, clock, args, call_id, branch)
             ask = self._ask(adapter, session_id, lineage, args, call_id, mode, turn, clock)
-            return self._carry_out(self._plan(ask), adapter, ask)
+            outcome = self._carry_out(self._plan(ask), adapter, ask)
+            if mode == "shadow" and branch and self._config.policy(tool) == "immediate":
+                # Live, this call would have reached the world at once; held, it would not have yet.
+                adapter.shadow(session_id, branch, clock, args)
+            return outcome
         except SandboxdError as exc:
             self._count(f"error.{exc.code.value}")
             raise
@@ -398,13 +406,19 @@ class Firewall:
         self._count(state)
 
     def _read(
-        self, adapter: EffectAdapter, session_id: str, clock: float | None, args: dict[str, Any], call_id: str | None
+        self,
+        adapter: EffectAdapter,
+        session_id: str,
+        clock: float | None,
+        args: dict[str, Any],
+        call_id: str | None,
+        branch: str = "",
     ) -> FirewallResult:
         """Reads are not ledgered: a replay re-executes them (the allowlist was checked already)."""
         tool = adapter.manifest.name
         read_id = call_id or "rd-" + intent_key(tool, adapter.intent(args))[0][:24]
         try:
-            result = adapter.fire_in(session_id, clock, args, read_id)
+            result = adapter.fire_in(session_id, clock, args, read_id, branch)
         except (EffectNotDelivered, EffectOutcomeUnknown) as exc:
             self._count("read_errors")
             if exc.timed_out:

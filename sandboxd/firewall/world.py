@@ -14,14 +14,25 @@ wrote itself into its own state directory; a client gets pickled bytes, never se
 
 A call's clock is frozen: every `datetime.now()` inside the suite's tools returns the call's virtual
 clock (or the instant the call started), so two worlds given the same calls end in the same state.
+
+Replays see a shadow world. The world cannot be rolled back, but what a replay reads must be the world
+as the counterfactual session would find it, not one that already holds the effects the original
+session made later (or the hijacked ones it must forget). So the world's state is recorded at every
+agent checkpoint (`mark`), and a replay branch gets a shadow copy of the state at its splice
+checkpoint (`begin_shadow`): its reads run on the shadow, and its external calls, answered from the
+ledger or staged by the firewall without touching the real world, are applied to the shadow too, so
+later reads see them. Committing the replay keeps the shadow's marks as the session's; the shadow
+itself is dropped: the real world keeps only what really fired or is released.
 """
 
 from __future__ import annotations
 
 import contextvars
 import datetime as _dt
+import hashlib
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
@@ -116,6 +127,7 @@ class AgentDojoWorld:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self._envs: dict[str, Any] = {}
+        self._shadows: dict[tuple[str, str], Any] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         _freeze_suite_clocks()
@@ -139,19 +151,70 @@ class AgentDojoWorld:
     def adapters(self, timeout_s: float) -> list[EffectAdapter]:
         return [WorldToolAdapter(self, manifest, timeout_s) for manifest in self.manifests()]
 
-    def run(self, session_id: str, tool: str, args: dict[str, Any], clock: float | None) -> dict[str, Any]:
-        """Run one tool on the session's environment, under the frozen clock; persist what it changed."""
+    def run(self, session_id: str, tool: str, args: dict[str, Any], clock: float | None,
+            branch: str = "") -> dict[str, Any]:
+        """Run one tool on the session's environment (a replay branch's shadow, if it has one)."""
         with self._session(session_id) as env:
-            token = _clock.set(clock if clock is not None else time.time())
-            try:
-                result, error = self._runtime.run_function(env, tool, args)
-            finally:
-                _clock.reset(token)
-            if tool in STATE_CHANGING:
-                self._save(session_id, env)
+            shadow = self._shadows.get((session_id, branch)) if branch else None
+            result, error = self._call(shadow if shadow is not None else env, tool, args, clock)
+            if shadow is None and tool in STATE_CHANGING:
+                self._save(self._path(session_id), env)
         if error is not None:
             return {"output": error, "error": error}
         return {"output": self._render(result)}
+
+    def apply_shadow(self, session_id: str, branch: str, tool: str, args: dict[str, Any],
+                     clock: float | None) -> None:
+        """A replay's external call, answered or staged by the firewall: the shadow world takes its effect."""
+        with self._lock_of(session_id):
+            shadow = self._shadows.get((session_id, branch))
+            if shadow is not None:
+                self._call(shadow, tool, args, clock)
+
+    def _call(self, env: Any, tool: str, args: dict[str, Any], clock: float | None) -> tuple[Any, str | None]:
+        token = _clock.set(clock if clock is not None else time.time())
+        try:
+            result, error = self._runtime.run_function(env, tool, args)
+        finally:
+            _clock.reset(token)
+        return result, error
+
+    # Shadow worlds for replays --------------------------------------------------------------------
+
+    def _marks(self, session_id: str, branch: str = "") -> Path:
+        base = self.directory / f"{session_id}.marks"
+        return base / hashlib.sha256(branch.encode()).hexdigest()[:16] if branch else base
+
+    def mark(self, session_id: str, checkpoint_id: str, branch: str = "") -> None:
+        """Record the world as it stands at an agent checkpoint (in a replay, the branch's shadow)."""
+        if session_id not in self._envs and not self._path(session_id).exists():
+            return  # a session with no world
+        with self._session(session_id) as env:
+            shadow = self._shadows.get((session_id, branch)) if branch else None
+            directory = self._marks(session_id, branch)
+            directory.mkdir(parents=True, exist_ok=True)
+            self._save(directory / f"{checkpoint_id}.pkl", shadow if shadow is not None else env)
+
+    def begin_shadow(self, session_id: str, branch: str, checkpoint_id: str) -> None:
+        """A replay branch starts: its shadow is the world as it was at the splice checkpoint."""
+        mark = self._marks(session_id) / f"{checkpoint_id}.pkl"
+        if not mark.exists():
+            return  # no world, or one set up after that checkpoint: the replay reads the world itself
+        with self._lock_of(session_id), open(mark, "rb") as fh:
+            self._shadows[(session_id, branch)] = pickle.load(fh)  # noqa: S301 - our own state file
+
+    def end_shadow(self, session_id: str, branch: str, commit: bool) -> None:
+        """A replay branch ends: committed, its marks become the session's; either way the shadow goes.
+
+        Safe to repeat after a crash part-way through (a mark already moved is simply not there).
+        """
+        with self._lock_of(session_id):
+            self._shadows.pop((session_id, branch), None)
+            directory = self._marks(session_id, branch)
+            if commit and directory.is_dir():
+                for mark in sorted(directory.glob("*.pkl")):
+                    os.replace(mark, self._marks(session_id) / mark.name)
+            shutil.rmtree(directory, ignore_errors=True)
 
     # Environments -------------------------------------------------------------------------------
 
@@ -169,7 +232,8 @@ class AgentDojoWorld:
             env = self.suite.user_tasks[user_task].init_environment(env)
         with self._lock_of(session_id):
             self._envs[session_id] = env
-            self._save(session_id, env)
+            shutil.rmtree(self._marks(session_id), ignore_errors=True)  # marks of an earlier world
+            self._save(self._path(session_id), env)
             return pickle.dumps(env)
 
     def state(self, session_id: str) -> bytes:
@@ -197,16 +261,15 @@ class AgentDojoWorld:
                     env = self._envs[session_id] = pickle.load(fh)  # noqa: S301 - our own state file
             yield env
 
-    def _save(self, session_id: str, env: Any) -> None:
-        """Atomically replace the session's pickle: what a call changed survives a kill -9."""
-        path = self._path(session_id)
+    def _save(self, path: Path, env: Any) -> None:
+        """Atomically replace a pickle: what a call changed survives a kill -9."""
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as fh:
             pickle.dump(env, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        fd = os.open(self.directory, os.O_RDONLY)
+        fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -239,5 +302,9 @@ class WorldToolAdapter(EffectAdapter):
     def fire(self, args: dict[str, Any], call_id: str) -> dict[str, Any]:
         raise AssertionError("a world tool runs on a session's environment: call fire_in")
 
-    def fire_in(self, session_id: str, clock: float | None, args: dict[str, Any], call_id: str) -> dict[str, Any]:
-        return self.world.run(session_id, self.manifest.name, args, clock)
+    def fire_in(self, session_id: str, clock: float | None, args: dict[str, Any], call_id: str,
+                branch: str = "") -> dict[str, Any]:
+        return self.world.run(session_id, self.manifest.name, args, clock, branch)
+
+    def shadow(self, session_id: str, branch: str, clock: float | None, args: dict[str, Any]) -> None:
+        self.world.apply_shadow(session_id, branch, self.manifest.name, args, clock)

@@ -47,6 +47,8 @@ class ProvenanceHandlers:
             snapshot_id = self.service.current_snapshot(req.session_id) if req.snapshot else None
         record = p.CheckpointRecord(**{**_fields(record), "snapshot_id": snapshot_id, "created_at": time.time()})
         self.store.add_checkpoint(req.session_id, record, branch=req.branch)
+        if self.service.world is not None:
+            self.service.world.mark(req.session_id, record.checkpoint_id, req.branch)
         return p.CheckpointResponse(request_id=req.request_id, checkpoint=record)
 
     def query(self, req: p.ProvenanceRequest) -> p.ProvenanceResponse:

@@ -141,6 +141,8 @@ class RevocationOperator:
             if checkpoint.snapshot_id:
                 self.service.restore_snapshot(sid, checkpoint.snapshot_id)
             branch = self.service.firewall.begin_replay(sid, from_turn=checkpoint.turn + 1)
+            if self.service.world is not None:
+                self.service.world.begin_shadow(sid, branch, checkpoint.checkpoint_id)
             # The suffix may have grown since the event was raised: tau stays, the closure and T do not.
             closure = self.provenance.closure(sid, row["source"])
             with self.state.transaction() as db:
@@ -204,6 +206,8 @@ class RevocationOperator:
         except SandboxdError:  # finished before a crash: its report is gone, its effect is not
             effects = _NO_EFFECTS
         self.provenance.commit_branch(sid, branch, splice, (old_end[0], old_end[1]))
+        if self.service.world is not None:
+            self.service.world.end_shadow(sid, branch, commit=True)
         self._drop_old_calls(sid, branch, splice)
         self._scrub_calls(sid)
         self.service.drop_unreferenced_checkpoint_snapshots(sid, self.provenance.checkpoints(sid))
@@ -284,6 +288,8 @@ class RevocationOperator:
         except SandboxdError:
             pass  # already closed before a crash
         self.provenance.abandon_branch(row["session_id"], row["branch"])
+        if self.service.world is not None:
+            self.service.world.end_shadow(row["session_id"], row["branch"], commit=False)
         with self.state.transaction():
             self.state.conn.execute("DELETE FROM calls WHERE session_id = ? AND branch = ?",
                                     [row["session_id"], row["branch"]])

@@ -88,6 +88,18 @@ def test_a_page_visit_cannot_wait_for_a_commit(slack: dict[str, Any]) -> None:
     assert all(r["cad"] == 0 and r["agreement"] == 1.0 and r["fired_twice"] == 0 for r in rows(slack, "B7"))
 
 
+@pytest.mark.parametrize("policy", ["immediate", "on_commit"])
+def test_a_replay_reads_the_world_as_it_was_at_the_splice(policy: str) -> None:
+    """user_task_2 pays the rent after reading the schedule; under immediate that payment is in the world
+    before the replay re-reads the schedule. The replay's shadow world still shows the old rent, as B5's does."""
+    pair = "banking/user_task_2/injection_task_7"
+    results = evaluate("banking", ["B5", "B7"], policy, progress=lambda _l: None, only=[pair])
+    [b7], [b5] = rows(results, "B7"), rows(results, "B5")
+    assert (b7["cad"], b7["any_leak"], b7["agreement"]) == (0, 0, 1.0)
+    assert b7["utility_match"] == 1 and b5["utility"] == 1
+    assert b7["world_match"] == int(policy == "on_commit")  # under immediate the hijack fired: orphaned
+
+
 def test_a_rerun_resumes_from_the_journal(banking: dict[str, dict[str, Any]], journal: Path) -> None:
     lines: list[str] = []
     again = evaluate("banking", METHODS, "immediate", limit=2, progress=lines.append, journal=journal)

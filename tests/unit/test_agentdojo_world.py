@@ -92,3 +92,31 @@ def test_the_clock_a_tool_reads_is_the_calls(tmp_path: Path) -> None:
     assert sent.timestamp == datetime.datetime.fromtimestamp(clock, datetime.UTC).replace(tzinfo=None)
     # Only the suite's modules read the frozen clock: the daemon's own time is real.
     assert abs(datetime.datetime.now().timestamp() - clock) > 86400
+
+
+def test_a_replay_reads_a_shadow_of_the_world_at_its_splice(tmp_path: Path) -> None:
+    world = AgentDojoWorld("banking", tmp_path)
+    world.reset("s-1", {}, None)
+    pay = {"recipient": "X", "amount": 5.0, "subject": "rent", "date": "2022-01-01"}
+    count = len(pickle.loads(world.state("s-1")).bank_account.transactions)
+    world.mark("s-1", "cp-1")
+    world.run("s-1", "send_money", pay, None)  # after the splice: the replay must not see it
+    world.begin_shadow("s-1", "s-1#r1", "cp-1")
+    reads = world.run("s-1", "get_most_recent_transactions", {"n": 100}, None, branch="s-1#r1")["output"]
+    assert reads.count("amount:") == count
+    world.apply_shadow("s-1", "s-1#r1", "send_money", {**pay, "subject": "other"}, None)
+    reads = world.run("s-1", "get_most_recent_transactions", {"n": 100}, None, branch="s-1#r1")["output"]
+    assert "subject: other" in reads and "subject: rent" not in reads
+    world.mark("s-1", "cp-2", branch="s-1#r1")
+    # The real world took neither the shadow's payment nor lost its own.
+    real = pickle.loads(world.state("s-1")).bank_account.transactions
+    assert len(real) == count + 1 and real[-1].subject == "rent"
+    world.end_shadow("s-1", "s-1#r1", commit=True)
+    assert (tmp_path / "s-1.marks" / "cp-2.pkl").exists()  # the branch's marks are now the session's
+    world.begin_shadow("s-1", "s-1#r2", "cp-2")
+    reads = world.run("s-1", "get_most_recent_transactions", {"n": 100}, None, branch="s-1#r2")["output"]
+    assert "subject: other" in reads
+    world.mark("s-1", "cp-3", branch="s-1#r2")
+    world.end_shadow("s-1", "s-1#r2", commit=False)  # abandoned: its marks go with it
+    assert not (tmp_path / "s-1.marks" / "cp-3.pkl").exists()
+    assert [p.name for p in (tmp_path / "s-1.marks").iterdir() if p.is_dir()] == []
