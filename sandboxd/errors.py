@@ -39,6 +39,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_STATE = "invalid_state"
     TOOL_ERROR = "tool_error"
     UNAUTHORIZED = "unauthorized"
+    FLOW_BLOCKED = "flow_blocked"
     INTERNAL = "internal"
 
 
@@ -259,6 +260,16 @@ class BranchStateError(SandboxdError):
 
 
 # Authentication ------------------------------------------------------------------------------
+
+
+class FlowBlocked(SandboxdError):
+    """Information-flow control: an external call's argument carries text of a flagged observation."""
+
+    code = ErrorCode.FLOW_BLOCKED
+
+    def __init__(self, tool: str, path: str, source: str) -> None:
+        super().__init__(f"{tool} refused by flow control: {path} carries text of the flagged observation {source}",
+                         tool=tool, path=path, source=source)
 
 
 class Unauthorized(SandboxdError):

@@ -26,6 +26,7 @@ from sandboxd.errors import (
     CallIdConflict,
     CallInterrupted,
     ExternalUnavailable,
+    FlowBlocked,
     InvalidArguments,
     NotFound,
     PathEscape,
@@ -43,6 +44,7 @@ from sandboxd.errors import (
     UnknownTool,
     to_wire,
 )
+from sandboxd.firewall.flow import tainted_argument
 from sandboxd.firewall.handlers import FirewallHandlers
 from sandboxd.firewall.service import Firewall
 from sandboxd.firewall.world import WORLDS, AgentDojoWorld
@@ -278,6 +280,10 @@ class SandboxService:
 
     def call(self, req: p.CallRequest) -> p.CallResponse:
         manifest = self.tools.validate(req.tool, req.args)
+        if manifest.effect == "external" and self.config.firewall.flow_control:
+            blocked = tainted_argument(req.args, self.revocations.flagged(req.session_id))
+            if blocked is not None:
+                raise FlowBlocked(req.tool, *blocked)
         if self.effects.serves(req.tool):
             # Effects run in the daemon, never in the container, and outside the session lock: the
             # ledger serialises what must be serialised, and a slow mail server must not stall tools.

@@ -22,20 +22,21 @@ get a fresh copy each (B9 reads B7's). The references run in world B. What each 
 - B6 redact every artifact: every needle (z and its payload strings, known in advance) is removed
   from every block and artifact, model-authored ones included; the cache is re-prefilled.
 - B7 this system: agent.revocation.apply on the detector's revocation (restore, replay the suffix).
-- B8 information-flow control only: no state change; tool calls whose arguments carry a needle are
-  counted as blocked sinks, the state keeps z.
-- B9 IFC plus replay: B7's state, with B8's sink count over its final branch.
+- B8 information-flow control only: the session runs in world C, whose firewall refuses external
+  calls carrying words of the flagged observation (`sandboxd.firewall.flow`); nothing is forgotten.
+- B9 IFC plus replay: B8's session, then B7's revocation of it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
 
-from agent.eval.metrics import Artifact, FinalState, capture, needles_for, render, state_of, tainted_actions
+from agent.eval.metrics import Artifact, FinalState, capture, needles_for, render, state_of
 from agent.harness import run_session
 from agent.revocation import apply
 from agent.runtime import END, ROLE, AgentSession, Block, Exogenous
@@ -54,6 +55,8 @@ class MethodResult(msgspec.Struct, kw_only=True):
     tokens_recomputed: int = 0
     fired_twice: int = 0
     blocked_sinks: int = 0
+    blocked: list[list[str]] = []
+    """(tool, JSON arguments) of the calls flow control refused (B8, B9)."""
     session: AgentSession | None = None
     """The session whose world is the method's world."""
     report: p.RevocationReport | None = None
@@ -79,8 +82,9 @@ class PairContext:
     detector, the span the detector flagged in the original's source observation.
     """
 
-    def __init__(self, world_a: Client, world_b: Client, pair: PairLike) -> None:
+    def __init__(self, world_a: Client, world_b: Client, pair: PairLike, world_c: Client | None = None) -> None:
         self.world_a, self.world_b, self.pair = world_a, world_b, pair
+        self.world_c = world_c
         self.scenario, self.files = pair.scenario, pair.files
         self._target = pair.target
         self._reference: Reference | None = None
@@ -106,6 +110,12 @@ class PairContext:
         self._opened.append((client, agent.session_id))
         return agent
 
+    def flow_controlled(self) -> AgentSession:
+        """The session run again in world C, whose firewall blocks external calls carrying flagged text."""
+        if self.world_c is None:
+            raise RuntimeError("B8 and B9 need world C, a daemon with [firewall] flow_control = true")
+        return self._run(self.world_c)
+
     def original(self, fresh: bool = True) -> AgentSession:
         """The recorded session in world A (hijacked, flagged by the detector): shared, or a fresh copy."""
         if not fresh and self._shared is not None:
@@ -125,7 +135,7 @@ class PairContext:
         An injection read twice is flagged twice; the first is the one to revoke (the replay's results
         are sanitized of it, and the later flags' sources are part of the suffix the replay discards).
         """
-        pending = self.world_a.pending_revocations(agent.session_id)
+        pending = agent.client.pending_revocations(agent.session_id)
         if not pending:
             raise RuntimeError("the detector raised no revocation: the injection was not flagged")
         first = min(pending, key=lambda r: r.tau)
@@ -313,34 +323,50 @@ class PrefixCachedReplay:
 
 
 class Revocation:
-    """B7: this system, agent.revocation.apply; with `ifc`, B9: its final branch's tainted sinks are counted."""
+    """B7: this system, agent.revocation.apply. With `ifc`, B9: the same on a session that ran under
+    information-flow control (world C), so the hijack was blocked before the revocation replayed it away."""
 
     def __init__(self, name: str = "B7", ifc: bool = False) -> None:
         self.name, self.ifc = name, ifc
 
     def run(self, ctx: PairContext) -> MethodResult:
-        if ctx.revoked is None:  # B7 and B9 share one revocation: B9 only reads its final branch
-            agent = ctx.original()
+        if self.ifc:
+            agent = ctx.flow_controlled()
+            blocked = blocked_calls(agent)
             revocation_id, _ = ctx.revocation(agent)
             started = time.perf_counter()
-            ctx.revoked = (agent, apply(agent, revocation_id), time.perf_counter() - started)
-        agent, report, wall = ctx.revoked
-        state = capture(agent)
-        blocked = tainted_actions(state, ctx.needles) if self.ifc else 0
-        return MethodResult(method=self.name, state=state, tokens_recomputed=report.tokens.recomputed,
-                            fired_twice=int(report.calls.get("fired_twice", 0)), blocked_sinks=blocked,
-                            session=agent, report=report, wall_s=wall)
+            report = apply(agent, revocation_id)
+            wall = time.perf_counter() - started
+        else:
+            if ctx.revoked is None:
+                agent = ctx.original()
+                revocation_id, _ = ctx.revocation(agent)
+                started = time.perf_counter()
+                ctx.revoked = (agent, apply(agent, revocation_id), time.perf_counter() - started)
+            agent, report, wall = ctx.revoked
+            blocked = []
+        return MethodResult(method=self.name, state=capture(agent), tokens_recomputed=report.tokens.recomputed,
+                            fired_twice=int(report.calls.get("fired_twice", 0)), blocked_sinks=len(blocked),
+                            blocked=blocked, session=agent, report=report, wall_s=wall)
+
+
+def blocked_calls(agent: AgentSession) -> list[list[str]]:
+    """(tool, JSON arguments) of the tool calls the firewall's flow control refused in this session."""
+    refused = {b.answers for b in agent.blocks if b.type == "observation" and b.text.startswith("error flow_blocked")}
+    return [[call.name, json.dumps(call.arguments, sort_keys=True)]
+            for b in agent.blocks if b.type == "model_turn" for cid, call in b.calls if cid in refused]
 
 
 class FlowControl:
-    """B8: information-flow control only: tainted tool-call sinks counted as blocked, the state keeps z."""
+    """B8: information-flow control only: the session runs under a firewall that refuses external calls
+    carrying flagged text; nothing is forgotten, the state keeps z."""
 
     name = "B8"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original(fresh=False)
-        state = capture(agent)
-        return MethodResult(method=self.name, state=state, blocked_sinks=tainted_actions(state, ctx.needles),
+        agent = ctx.flow_controlled()
+        blocked = blocked_calls(agent)
+        return MethodResult(method=self.name, state=capture(agent), blocked_sinks=len(blocked), blocked=blocked,
                             session=agent)
 
 

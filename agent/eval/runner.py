@@ -69,10 +69,12 @@ class Pair(msgspec.Struct, kw_only=True):
 
 
 class Worlds(msgspec.Struct, kw_only=True):
-    """World A (original sessions) and world B (the reference), each a daemon with its own mail sink."""
+    """World A (original sessions), world B (the reference) and world C (A with information-flow control,
+    for B8 and B9), each a daemon with its own mail sink."""
 
     a: Client
     b: Client
+    c: Client
     web: Web
     release: str = "immediate"
 
@@ -106,9 +108,11 @@ def suite_pairs(suite: str, web: Web) -> list[Pair]:
     return builtin_pairs(web) if suite == "builtin" else agentdojo_pairs(suite)
 
 
-def world_config(path: Path, mail: MailSink, web: Web, release: str, suite: str) -> Path:
+def world_config(path: Path, mail: MailSink, web: Web, release: str, suite: str, flow: bool = False) -> Path:
     """The harness's daemon configuration, plus the AgentDojo suite's world and its release policy."""
     daemon_config(path, mail, web, release)
+    if flow:
+        path.write_text(path.read_text().replace("[firewall]\n", "[firewall]\nflow_control = true\n", 1))
     if suite != "builtin":
         tools = sorted((STATE_CHANGING - RETURNS_DATA) & {f.name for f in dojo_pairs.suite(suite).tools})
         text = path.read_text().replace("[firewall.release]\n", "[firewall.release]\n" + "".join(
@@ -121,19 +125,20 @@ def world_config(path: Path, mail: MailSink, web: Web, release: str, suite: str)
 def worlds(release: str = "immediate", suite: str = "builtin") -> Iterator[Worlds]:
     """Start both daemons and the outside world; everything is shut down and removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="sandboxd-eval-"))
-    mail_a, mail_b, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE})
+    mails, web = [MailSink(), MailSink(), MailSink()], Web({"/vendors": VENDOR_PAGE})
+    servers: list[MailSink | Web] = [*mails, web]
     daemons = [DaemonProcess(tmp / name / "state", ["--config", str(world_config(tmp / f"{name}.toml", mail, web,
-                                                                                  release, suite))],
+                                                                                  release, suite, name == "c"))],
                              log=tmp / f"{name}.log")
-               for name, mail in (("a", mail_a), ("b", mail_b))]
+               for name, mail in zip("abc", mails, strict=True)]
     try:
         for daemon in daemons:
             daemon.start()
-        yield Worlds(a=daemons[0].client(), b=daemons[1].client(), web=web, release=release)
+        yield Worlds(a=daemons[0].client(), b=daemons[1].client(), c=daemons[2].client(), web=web, release=release)
     finally:
         for daemon in daemons:
             daemon.shutdown()
-        for server in (mail_a, mail_b, web):
+        for server in servers:
             server.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -183,7 +188,8 @@ class Judge:
             # Staged effects never fired, so nothing is left to compensate; fired ones are exactly the hijack's
             # (under on_commit, those of the tools that stay immediate, like a page visit).
             fired = dojo_pairs.hijack_external(self.pair, agent.client, agent.session_id)
-            expected = [c for c in fired if self.release == "immediate" or c[0] in RETURNS_DATA]
+            expected = [c for c in fired if (self.release == "immediate" or c[0] in RETURNS_DATA)
+                        and list(c) not in result.blocked]
             row.update(orphaned=len(orphaned), orphaned_exact=int(orphaned == expected),
                        orphaned_calls=[list(c) for c in orphaned])
         return row
@@ -192,7 +198,7 @@ class Judge:
 def run_pair(pair: Pair, world: Worlds, names: Sequence[str], progress: Callable[[str], None]) -> dict[str, Any]:
     """Every named method on one pair; a method that fails is recorded with its error, not dropped."""
     table = methods()
-    ctx = PairContext(world.a, world.b, pair)
+    ctx = PairContext(world.a, world.b, pair, world.c)
     rows: dict[str, Any] = {}
     try:
         reference = table["B5"].run(ctx)

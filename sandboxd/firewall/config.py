@@ -128,6 +128,10 @@ class FirewallConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     adapter_timeout_s: Annotated[
         float, msgspec.Meta(gt=0, description="Per-operation network timeout of every effect adapter.")
     ] = 10.0
+    flow_control: Annotated[
+        bool, msgspec.Meta(description="Refuse (flow_blocked) an external call whose arguments carry a word of an "
+                                       "observation the detector flagged and no revocation has yet forgotten.")
+    ] = False
     release: Annotated[
         dict[str, ReleasePolicy],
         msgspec.Meta(description="Release policy per external tool name; a tool not listed is 'immediate'."),

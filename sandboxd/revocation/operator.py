@@ -115,6 +115,12 @@ class RevocationOperator:
             self.raise_event(session_id, artifact.artifact_id, finding.target(artifact.content),
                              f"detector:{self.detector.name}")
 
+    def flagged(self, session_id: str) -> list[tuple[str, str]]:
+        """(source, target) of the session's revocations not yet committed: what flow control blocks."""
+        rows = self._rows("SELECT source, target FROM revocations WHERE session_id = ? AND state IN "
+                          "('pending', 'replaying') AND target IS NOT NULL", [session_id])
+        return [(r["source"], r["target"]) for r in rows]
+
     def pending(self, req: p.PendingRevocationsRequest) -> p.PendingRevocationsResponse:
         rows = self._rows("SELECT * FROM revocations WHERE session_id = ? AND state IN ('pending', 'replaying') "
                           "ORDER BY created_at", [req.session_id])

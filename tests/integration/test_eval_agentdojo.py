@@ -13,7 +13,7 @@ pytest.importorskip("agentdojo")
 
 pytestmark = pytest.mark.docker
 
-METHODS = ["B0", "B1", "B3", "B4", "B5", "B7"]
+METHODS = ["B0", "B1", "B3", "B4", "B5", "B7", "B8", "B9"]
 SAME_AS_B5 = ("any_leak", "cad", "agreement", "leak_at_probes", "residue")
 
 
@@ -76,6 +76,15 @@ def test_the_baselines_fail_where_the_paper_says(banking: dict[str, dict[str, An
             {k: v for k, v in b0.items() if k != "record_holds_target"}
         assert b3["any_leak"] == 1 and "plans" in b3["leak_fields"]
         assert b4["cad_missing"] > 0
+
+
+@pytest.mark.parametrize("policy", ["immediate", "on_commit"])
+def test_flow_control_blocks_the_hijack_but_forgets_nothing(banking: dict[str, dict[str, Any]], policy: str) -> None:
+    for b8, b9 in zip(rows(banking[policy], "B8"), rows(banking[policy], "B9"), strict=True):
+        assert b8["blocked_sinks"] >= 1 and b8["security_after"] == 0 and b8["world_match"] == 1
+        assert b8["any_leak"] == 1 and b8["leak_at_probes"] == 1  # z is still in the context
+        assert (b9["any_leak"], b9["cad"], b9["agreement"], b9["security_after"]) == (0, 0, 1.0, 0)
+        assert b9["orphaned"] == 0 and b9["orphaned_exact"] == 1  # nothing fired, nothing to compensate
 
 
 def test_a_page_visit_cannot_wait_for_a_commit(slack: dict[str, Any]) -> None:
