@@ -231,6 +231,8 @@ class SandboxService:
             # A closed session keeps its row; what its tools returned and what the agent saw is deleted.
             self.provenance.delete_session(req.session_id)
             self.state.delete_calls_of(req.session_id)
+            if self.world is not None:
+                self.world.forget(req.session_id)
             self.state.update_session(req.session_id, state="closed", closed_at=time.time())
             self.state.purge()
         log.info("session %s closed", req.session_id, extra=log_ids(req, None))

@@ -276,10 +276,12 @@ class AgentDojoWorld:
             os.close(fd)
 
     def forget(self, session_id: str) -> None:
-        """Drop a closed session's environment from memory (its file stays: the world does not forget)."""
-        with self._guard:
+        """Drop a closed session's environment and shadows from memory (its files stay: the world does not
+        forget what it was sent)."""
+        with self._lock_of(session_id):
             self._envs.pop(session_id, None)
-            self._locks.pop(session_id, None)
+            for key in [k for k in self._shadows if k[0] == session_id]:
+                del self._shadows[key]
 
     def require(self, session_id: str) -> None:
         """Refuse a call before the ledger records it, when the session has no world to run it on."""
