@@ -109,15 +109,17 @@ def suite_pairs(suite: str, web: Web) -> list[Pair]:
 
 
 def world_config(path: Path, mail: MailSink, web: Web, release: str, suite: str, flow: bool = False) -> Path:
-    """The harness's daemon configuration, plus the AgentDojo suite's world and its release policy."""
-    daemon_config(path, mail, web, release)
+    """The builtin suite's daemon configuration (mail and web), or an AgentDojo suite's world (whose own
+    tools are the outside world), with the release policy and, for world C, flow control."""
+    if suite == "builtin":
+        daemon_config(path, mail, web, release)
+    else:
+        tools = sorted((STATE_CHANGING - RETURNS_DATA) & {f.name for f in dojo_pairs.suite(suite).tools})
+        path.write_text("[firewall]\nadapter_timeout_s = 5.0\n[firewall.release]\n"
+                        + "".join(f"{tool} = \"{release}\"\n" for tool in tools)
+                        + f"[world]\nagentdojo_suite = \"{suite}\"\n")
     if flow:
         path.write_text(path.read_text().replace("[firewall]\n", "[firewall]\nflow_control = true\n", 1))
-    if suite != "builtin":
-        tools = sorted((STATE_CHANGING - RETURNS_DATA) & {f.name for f in dojo_pairs.suite(suite).tools})
-        text = path.read_text().replace("[firewall.release]\n", "[firewall.release]\n" + "".join(
-            f"{tool} = \"{release}\"\n" for tool in tools if tool != "send_email"))
-        path.write_text(text + f"[world]\nagentdojo_suite = \"{suite}\"\n")
     return path
 
 
