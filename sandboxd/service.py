@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -58,6 +59,9 @@ from sandboxd.state import StateStore, canonical_args
 from sandboxd.tools.builtin import BUILTIN_TOOLS, executor_request
 from sandboxd.tools.registry import ToolRegistry
 from snapshots import SnapshotError, SnapshotStore, UnknownSnapshot
+
+IMAGE_REFERENCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}")
+"""Characters Docker allows in an image name, tag or digest; anything else is refused before the engine sees it."""
 
 log = logging.getLogger("sandboxd")
 
@@ -202,6 +206,8 @@ class SandboxService:
     def open_session(self, req: p.OpenSessionRequest, peer: Peer) -> p.OpenSessionResponse:
         session_id = "s-" + uuid.uuid4().hex[:12]
         image = req.image or self.config.image
+        if not IMAGE_REFERENCE.fullmatch(image):
+            raise NotFound(f"{image!r} is not an image reference (name[:tag], name@digest or an id)", image=image)
         if not self.containers.image_exists(image):
             raise NotFound(f"image {image!r} not found on the Docker engine", image=image)
         self.state.add_session(session_id, image, owner=peer.key)

@@ -181,7 +181,7 @@ class ContainerManager:
     def image_exists(self, image: str) -> bool:
         try:
             self.client.images.get(image)
-        except docker.errors.ImageNotFound:
+        except docker.errors.NotFound:  # ImageNotFound, or a bare 404 when the name breaks the API's route
             return False
         except docker.errors.APIError as exc:
             if exc.status_code == 400:  # not even a valid reference ("invalid reference format")

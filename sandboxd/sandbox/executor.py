@@ -127,10 +127,33 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     # serving in a sandbox (not when a test imports this module on the host) and never as root, where
     # kill(-1) would reach the whole machine.
     if _serving_in_sandbox and os.getuid() != 0:
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_leftovers()
+
+
+def _kill_leftovers(wait_s: float = 2.0) -> None:
+    """SIGKILL every process we may signal (all of the sandbox user's but this one and init) and wait
+    until they are gone: a killed process holds its pid until init reaps it, and the next call must be
+    able to fork under the pids limit."""
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + wait_s
+    while _leftovers() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _leftovers() -> list[int]:
+    """Pids of the sandbox user's processes other than this one and init, zombies included."""
+    me, uid, found = os.getpid(), os.getuid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in (1, me):
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    found.append(int(name))
+            except OSError:
+                pass  # gone between listdir and stat
+    return found
 
 
 def _feed_stdin(pipe: Any, data: bytes) -> None:
@@ -185,7 +208,12 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
     )
     _expose_to_oom_killer(proc.pid)
     assert proc.stdin is not None
-    threading.Thread(target=_feed_stdin, args=(proc.stdin, stdin), daemon=True).start()
+    try:
+        threading.Thread(target=_feed_stdin, args=(proc.stdin, stdin), daemon=True).start()
+    except RuntimeError as exc:  # no pid left for a thread: the sandbox is at its pids limit
+        _kill_group(proc)
+        proc.wait()
+        raise ToolFailure("resource_limit", f"could not start the call: {exc}") from exc
     out, err, out_cut, err_cut = _read_capped(proc, cap, started + timeout)
     timed_out = proc.poll() is None
     # Kill the whole group either way: a call leaves no process behind, not even a backgrounded one.
@@ -263,11 +291,7 @@ def reap(_: dict[str, Any]) -> dict[str, Any]:
     if os.getuid() == 0:
         # As root, kill(-1) would reach every process on the machine; sandboxes never run as root.
         raise ToolFailure("tool_error", "refusing to reap as root")
-    try:
-        # kill(-1) reaches every process we may signal except ourselves and init.
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _kill_leftovers()
     return {"ok": True}
 
 
@@ -328,7 +352,8 @@ def handle(frame: bytes) -> dict[str, Any]:
         return op(req)
     except ToolFailure as exc:
         return {"error": exc.code, "message": str(exc), "details": exc.details}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        # RuntimeError: a thread could not start because the sandbox is at its pids limit.
         return {"error": "tool_error", "message": f"{type(exc).__name__}: {exc}"}
 
 

@@ -34,6 +34,16 @@ def test_malformed_frames_get_error_replies_and_change_nothing(daemon: DaemonPro
     assert client.call(session, "read_file", {"path": "f"}).stdout == "before"
 
 
+@pytest.mark.parametrize("image", ["no-such-image:latest", "\u00e9-9\nzz19\n-\u20acy\u2028x0", "a/../../b?c#d",
+                                   "x" * 300])
+def test_an_image_that_is_missing_or_no_reference_is_not_found(client: Client, image: str) -> None:
+    # A newline in the name once reached the engine's URL router and came back as a bare 404: internal.
+    before = client.sessions()
+    reply = client.send_raw(p.encode(p.OpenSessionRequest(request_id="img", image=image)))
+    assert isinstance(reply, p.ErrorResponse) and reply.code == "not_found", reply
+    assert client.sessions() == before
+
+
 def test_error_reply_echoes_the_request_id(client: Client) -> None:
     reply = client.send_raw(msgspec.msgpack.encode({"type": "Bogus", "request_id": "echo-me"}))
     assert reply.request_id == "echo-me"
