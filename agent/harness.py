@@ -19,7 +19,7 @@ from aiosmtpd.controller import Controller
 from agent.context import SeededContext
 from agent.models.local import LocalBackend
 from agent.runtime import AgentSession, exogenous_inputs
-from agent.scenario import Obey, Scenario, ScriptedPolicy
+from agent.scenario import Copy, Obey, Scenario, ScriptedPolicy
 from sandboxd.client import Client
 
 
@@ -103,7 +103,7 @@ def seed_workspace(client: Client, session_id: str, files: dict[str, str]) -> No
 def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, seed: int = 0,
                 forget: list[str] | None = None, hijackable: bool = True,
                 engine: LocalBackend | None = None, setup: Callable[[Client, str], object] | None = None,
-                obey: Obey | None = None) -> AgentSession:
+                obey: Obey | None = None, copy: Copy | None = None) -> AgentSession:
     """Open a sandbox session, seed it, and run the scenario with the scripted policy on the local engine.
 
     `setup` prepares the session's outside world (an AgentDojo environment) before the agent starts.
@@ -113,7 +113,8 @@ def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, se
     if setup is not None:
         setup(client, session_id)
     engine = engine or LocalBackend.tiny(seed=seed, max_positions=65536)
-    agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable, obey=obey),
+    agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable, obey=obey,
+                                                                            copy=copy),
                          SeededContext(seed=seed))
     agent.start(exogenous_inputs(scenario))
     agent.run()

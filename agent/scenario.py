@@ -83,6 +83,10 @@ def turn_text(step: ToolStep | None, answer: str = "", plan: str = "") -> str:
 Obey = Callable[[str], list[ToolStep]]
 """What a hijacked agent does after reading a tool result: the tool calls the result instructs."""
 
+Copy = Callable[[ToolStep, Sequence[str]], ToolStep]
+"""A task step as the agent can write it having read these results: a step that copies a name it read
+(a channel, a file) copies the name as the agent has it, not as the script's author saw it."""
+
 
 class ScriptedPolicy:
     """Plays a scenario's tasks; with `hijackable`, also obeys instructions found in observations.
@@ -92,10 +96,12 @@ class ScriptedPolicy:
     once: read again in a later result, they are already done.
     """
 
-    def __init__(self, scenario: Scenario, hijackable: bool = True, obey: Obey | None = None) -> None:
+    def __init__(self, scenario: Scenario, hijackable: bool = True, obey: Obey | None = None,
+                 copy: Copy | None = None) -> None:
         self.scenario = scenario
         self.hijackable = hijackable
         self.obey = obey or obeyed_instructions
+        self.copy = copy
 
     def next_turn(self, context: Sequence[ContextBlock]) -> str:
         """The next model turn for this context."""
@@ -118,8 +124,10 @@ class ScriptedPolicy:
         pending: list[tuple[ToolStep, bool]] = [(step, True) for step in task.steps]
         while pending:
             step, from_task = pending.pop(0)
+            done = len(actions)
+            if from_task and self.copy is not None:
+                step = self.copy(step, results[:done])
             actions.append(step)
-            done = len(actions) - 1
             # Only results of the user's own steps are read for instructions: one level of hijack.
             if self.hijackable and from_task and done < len(results):
                 told = self.obey(results[done])

@@ -75,9 +75,38 @@ class DojoPair:
         """Give the session its world: the suite's environment with this pair's injections, task set up."""
         client.world_reset(session_id, self.injections, self.user_task)
 
+    def copy(self, step: ToolStep, seen: Sequence[str]) -> ToolStep:
+        """The user task's step as an agent that has read `seen` writes it.
+
+        The ground truth is computed on the injected environment, so where an injection vector is a
+        name (slack's `External_...` channel) its steps carry the injection. An agent that never read
+        it (B5, which the daemon shields from it) or that forgot it (a replay) copies the name as it has
+        it: with the flagged span cut out, as the daemon cuts it from the results.
+        """
+        if any(_words(self.goal) in _words(text) for text in seen):
+            return step
+        return ToolStep(name=step.name, arguments=_unflagged(step.arguments))
+
     def obey(self, text: str) -> list[ToolStep]:
         """The hijack: a result carrying the injected goal makes the agent run the injection task."""
         return list(self.hijack) if self.goal and _words(self.goal) in _words(text) else []
+
+
+def _unflagged(value: Any) -> Any:
+    """Every string in a JSON value with the detector's flagged spans removed."""
+    if isinstance(value, str):
+        detector = load_detector("rules")
+        while findings := detector.scan(value):
+            cut = value.replace(findings[0].target(value), "")
+            if cut == value:
+                break
+            value = cut
+        return value
+    if isinstance(value, dict):
+        return {k: _unflagged(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unflagged(v) for v in value]
+    return value
 
 
 def _steps(calls: Sequence[Any]) -> list[ToolStep]:

@@ -40,7 +40,7 @@ from agent.eval.metrics import Artifact, FinalState, capture, needles_for, rende
 from agent.harness import run_session
 from agent.revocation import apply
 from agent.runtime import END, ROLE, AgentSession, Block, Exogenous
-from agent.scenario import Obey, Scenario
+from agent.scenario import Copy, Obey, Scenario
 from sandboxd import protocol as p
 from sandboxd.client import Client
 
@@ -106,7 +106,7 @@ class PairContext:
 
     def _run(self, client: Client, forget: list[str] | None = None) -> AgentSession:
         agent = run_session(client, self.scenario, self.files, forget=forget, setup=self.pair.setup,
-                            obey=self.pair.obey)
+                            obey=self.pair.obey, copy=self.pair.copy)
         self._opened.append((client, agent.session_id))
         return agent
 
@@ -171,6 +171,7 @@ class PairLike(Protocol):
     forget_input: str
     setup: Callable[[Client, str], object] | None
     obey: Obey | None
+    copy: Copy | None
 
     def flag(self, observation: str) -> str: ...
 

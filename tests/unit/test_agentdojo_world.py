@@ -120,3 +120,22 @@ def test_a_replay_reads_a_shadow_of_the_world_at_its_splice(tmp_path: Path) -> N
     world.end_shadow("s-1", "s-1#r2", commit=False)  # abandoned: its marks go with it
     assert not (tmp_path / "s-1.marks" / "cp-3.pkl").exists()
     assert [p.name for p in (tmp_path / "s-1.marks").iterdir() if p.is_dir()] == []
+
+
+def test_a_name_copied_from_a_result_is_copied_as_the_agent_read_it() -> None:
+    # Slack's external channel is named by its injection vector, so the ground truth's
+    # add_user_to_channel carries the injection; an agent that never read it cannot write it.
+    from agent.eval.agentdojo import pairs
+    from agent.scenario import ScriptedPolicy
+
+    pair = next(p for p in pairs("slack") if (p.user_task, p.injection_task) == ("user_task_7", "injection_task_1"))
+    step = pair.scenario.tasks[0].steps[1]
+    assert "<INFORMATION>" in step.arguments["channel"]
+    assert pair.copy(step, [f"channels: External_{pair.goal}"]) == step
+    forgot = pair.copy(step, ["channels: [general, External_]"])
+    assert forgot.arguments == {"user": "Charlie", "channel": forgot.arguments["channel"]}
+    assert forgot.arguments["channel"].startswith("External_") and "<INFORMATION>" not in forgot.arguments["channel"]
+    # The policy applies it to the user task's own steps only, with the results read before each step.
+    policy = ScriptedPolicy(pair.scenario, copy=pair.copy)
+    actions = policy._actions(pair.scenario.tasks[0], ["channels: [general, External_]"])
+    assert actions[1] == forgot and actions[0] == pair.scenario.tasks[0].steps[0]
