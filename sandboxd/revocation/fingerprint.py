@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -33,6 +34,8 @@ MIN_SALT_BYTES = 32
 # collision probability per window is about length / 2^61.
 _MODULUS = (1 << 61) - 1
 _MASK_BITS = 61
+# Whitespace that is not already a single space: a run of two or more, or one newline, tab, etc.
+_SPACE_RUN = re.compile(r"\s{2,}|[^\S ]")
 
 
 class RevokedFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -46,20 +49,22 @@ class RevokedFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """The target's keyed rolling hash XOR a mask only the salt's holder can compute."""
     casefold: bool = False
     """Match case-insensitively (Unicode full case folding) instead of exactly."""
+    spacefold: bool = False
+    """Match with every run of whitespace as one space: the same text re-flowed by a tool (YAML folding
+    a long line, indenting a block) is the same text."""
     version: int = FINGERPRINT_VERSION
 
 
-def fingerprint(target: str, salt: bytes, *, casefold: bool = False) -> RevokedFingerprint:
+def fingerprint(target: str, salt: bytes, *, casefold: bool = False, spacefold: bool = False) -> RevokedFingerprint:
     """Fingerprint a revoked target under the daemon's secret salt."""
     _check_salt(salt)
-    view = target.casefold() if casefold else target
-    if not view:
+    view = _View(target, casefold, spacefold).folded
+    if not view or (spacefold and view.isspace()):  # all whitespace would match every gap between words
         raise ValueError("cannot fingerprint an empty target")
-    digest = _window_digest(view, salt, casefold)
+    digest = _window_digest(view, salt, casefold, spacefold)
     roll = _roll_of(view, _base(salt))
-    return RevokedFingerprint(
-        length=len(view), digest=digest, sealed_roll=roll ^ _mask(salt, digest), casefold=casefold
-    )
+    return RevokedFingerprint(length=len(view), digest=digest, sealed_roll=roll ^ _mask(salt, digest),
+                              casefold=casefold, spacefold=spacefold)
 
 
 def find(text: str, fp: RevokedFingerprint, salt: bytes) -> list[tuple[int, int]]:
@@ -92,16 +97,44 @@ def excise(text: str, fps: Iterable[RevokedFingerprint], salt: bytes) -> tuple[s
 
 
 class _View:
-    """The text as matched (case-folded or not) with a map back to the original's character offsets."""
+    """The text as matched (case-folded, whitespace-folded or neither) with a map back to the original's
+    character offsets."""
 
-    def __init__(self, text: str, casefold: bool) -> None:
+    def __init__(self, text: str, casefold: bool, spacefold: bool = False) -> None:
         self.text = text
         self.folded = text
         self._origin: list[int] | None = None
         self._first: list[bool] | None = None
         self._last: list[bool] | None = None
+        self._runs: tuple[list[int], list[int]] | None = None
         if casefold:
             self._fold(text)
+        if spacefold:
+            self._fold_space(self.folded)
+
+    def _fold_space(self, text: str) -> None:
+        # Each character of the result is a whole piece of `text`: a character, or a whitespace run
+        # folded to one space; `_runs` holds each piece's [start, end) in `text`.
+        parts: list[str] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        position = 0
+        for match in _SPACE_RUN.finditer(text):
+            start, end = match.span()
+            parts.append(text[position:start])
+            starts.extend(range(position, start))
+            ends.extend(range(position + 1, start + 1))
+            parts.append(" ")
+            starts.append(start)
+            ends.append(end)
+            position = end
+        if not parts:
+            return
+        parts.append(text[position:])
+        starts.extend(range(position, len(text)))
+        ends.extend(range(position + 1, len(text) + 1))
+        self.folded = "".join(parts)
+        self._runs = (starts, ends)
 
     def _fold(self, text: str) -> None:
         # Full case folding can lengthen a character ("ß" -> "ss"), so offsets need a map; it is
@@ -119,6 +152,8 @@ class _View:
 
     def span(self, start: int, end: int) -> tuple[int, int] | None:
         """The original span of folded [start, end), or None if it cuts through a folded character."""
+        if self._runs is not None:
+            start, end = self._runs[0][start], self._runs[1][end - 1]
         if self._origin is None or self._first is None or self._last is None:
             return start, end
         if not (self._first[start] and self._last[end - 1]):
@@ -133,17 +168,17 @@ def _occurrences(
     for fp in fps:
         if fp.version != FINGERPRINT_VERSION:
             raise ValueError(f"fingerprint version {fp.version} is not supported (want {FINGERPRINT_VERSION})")
-    groups: dict[tuple[int, bool], dict[int, list[RevokedFingerprint]]] = {}
+    groups: dict[tuple[int, bool, bool], dict[int, list[RevokedFingerprint]]] = {}
     for fp in fps:
         wanted = fp.sealed_roll ^ _mask(salt, fp.digest)
-        groups.setdefault((fp.length, fp.casefold), {}).setdefault(wanted, []).append(fp)
-    views = {casefold: _View(text, casefold) for casefold in {key[1] for key in groups}}
+        groups.setdefault((fp.length, fp.casefold, fp.spacefold), {}).setdefault(wanted, []).append(fp)
+    views = {(casefold, spacefold): _View(text, casefold, spacefold) for _, casefold, spacefold in groups}
     base = _base(salt)
     found: list[tuple[int, int, RevokedFingerprint]] = []
-    for (length, casefold), by_roll in groups.items():
-        view = views[casefold]
+    for (length, casefold, spacefold), by_roll in groups.items():
+        view = views[casefold, spacefold]
         for start, roll in _candidates(view.folded, length, base, by_roll.keys()):
-            digest = _window_digest(view.folded[start : start + length], salt, casefold)
+            digest = _window_digest(view.folded[start : start + length], salt, casefold, spacefold)
             for fp in by_roll[roll]:
                 span = view.span(start, start + length) if hmac.compare_digest(digest, fp.digest) else None
                 if span is not None:
@@ -184,8 +219,9 @@ def _mask(salt: bytes, digest: str) -> int:
     return int.from_bytes(raw[:8], "big") & ((1 << _MASK_BITS) - 1)
 
 
-def _window_digest(window: str, salt: bytes, casefold: bool) -> str:
-    head = b"sandboxd.revocation.fp.v1\x00" + (b"\x01" if casefold else b"\x00")
+def _window_digest(window: str, salt: bytes, casefold: bool, spacefold: bool = False) -> str:
+    # One flag byte; without spacefold it is the byte version 1 always had, so stored digests still match.
+    head = b"sandboxd.revocation.fp.v1\x00" + bytes([casefold | spacefold << 1])
     # surrogatepass: a lone surrogate in a decoded observation must still fingerprint, not crash.
     return hmac.new(salt, head + window.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
 

@@ -72,8 +72,11 @@ class RevocationOperator:
     # The filter --------------------------------------------------------------------------------
 
     def forget(self, session_id: str, value: str) -> None:
-        """From now on `value` never reaches this session again; only its fingerprint is stored."""
-        fp = fingerprint(value, self.salt)
+        """From now on `value` never reaches this session again; only its fingerprint is stored.
+
+        Whitespace-folded: a tool that re-flows the value (YAML folds and indents a long string in a
+        list) must not bring it back."""
+        fp = fingerprint(value, self.salt, spacefold=True)
         self.state.add_fingerprint(session_id, msgspec.json.encode(fp).decode())
 
     def sanitize(self, session_id: str, text: str) -> str:
