@@ -92,10 +92,10 @@ class DojoPair:
         return list(self.hijack) if self.goal and _words(self.goal) in _words(text) else []
 
 
-def _unflagged(value: Any) -> Any:
+def _unflagged(value: Any, detector: Any = None) -> Any:
     """Every string in a JSON value with the detector's flagged spans removed."""
+    detector = detector or load_detector("rules")
     if isinstance(value, str):
-        detector = load_detector("rules")
         while findings := detector.scan(value):
             cut = value.replace(findings[0].target(value), "")
             if cut == value:
@@ -103,9 +103,9 @@ def _unflagged(value: Any) -> Any:
             value = cut
         return value
     if isinstance(value, dict):
-        return {k: _unflagged(v) for k, v in value.items()}
+        return {k: _unflagged(v, detector) for k, v in value.items()}
     if isinstance(value, list):
-        return [_unflagged(v) for v in value]
+        return [_unflagged(v, detector) for v in value]
     return value
 
 
