@@ -222,7 +222,8 @@ class AgentSession:
         except RemoteError as exc:
             return f"error {exc.wire_code}: {exc.message}"
         self.calls_made.append(result)
-        if result.state != "done":
+        # A simulated answer is what the counterfactual run would have read from the world.
+        if result.state != "done" and not result.simulated:
             return f"[{result.state}] {result.stdout}"
         return result.stdout if result.exit_code == 0 else f"exit {result.exit_code}\n{result.stdout}{result.stderr}"
 

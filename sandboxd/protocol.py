@@ -93,6 +93,8 @@ class CallResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     deduplicated: bool = False
     shadowed: bool = False
     held: bool = False
+    simulated: bool = False
+    """Shadowed in a replay, and `stdout` is the answer of the replay's simulated world: nothing was sent."""
 
 
 class LedgerCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -496,6 +498,8 @@ class FinishReplayResponse(_Response):
     dropped: list[str]
     unresolved: list[str]
     staged: list[str]
+    held: list[str] = []
+    """The replay's own calls to held tools: waiting for their turn's commit or an operator, or dropped."""
 
 
 class RecordArtifactsResponse(_Response):

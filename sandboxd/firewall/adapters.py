@@ -75,9 +75,10 @@ class EffectAdapter(abc.ABC):
         """`fire`, for adapters whose effect depends on the calling session, its branch or its virtual clock."""
         return self.fire(args, call_id)
 
-    def shadow(self, session_id: str, branch: str, clock: float | None, args: dict[str, Any]) -> None:
+    def shadow(self, session_id: str, branch: str, clock: float | None, args: dict[str, Any]) -> dict[str, Any] | None:
         """A replay's call that did not fire (answered from the ledger, or staged): a simulated world
-        the adapter holds takes its effect in the branch's shadow. Real far sides have no shadow."""
+        the adapter holds takes its effect in the branch's shadow and its answer is returned, shaped
+        like `fire`'s. Real far sides have no shadow: None."""
         return None
 
     def close(self) -> None:

@@ -100,7 +100,7 @@ class FirewallHandlers:
         report = self.firewall.finish_replay(req.branch, req.commit)
         return p.FinishReplayResponse(request_id=req.request_id, branch=report.branch, committed=report.committed,
                                       orphaned=report.orphaned, dropped=report.dropped,
-                                      unresolved=report.unresolved, staged=report.staged)
+                                      unresolved=report.unresolved, staged=report.staged, held=report.held)
 
 
 def call_result(outcome: FirewallResult) -> p.CallResult:
@@ -118,7 +118,7 @@ def call_result(outcome: FirewallResult) -> p.CallResult:
         call_id=outcome.call_id, tool=outcome.tool, exit_code=1 if failed else 0,
         stdout=stdout,
         stderr=outcome.error or "", state=outcome.state, data=data, deduplicated=outcome.deduplicated,
-        shadowed=outcome.shadowed, held=outcome.held, replayed=outcome.deduplicated,
+        shadowed=outcome.shadowed, held=outcome.held, replayed=outcome.deduplicated, simulated=outcome.simulated,
     )
 
 

@@ -13,7 +13,14 @@ branch whose counters start from zero (or, with `from_turn`, inherit the calls o
 the replay does not re-run); shadow-mode calls count there. Because k restarts, the replay's k-th
 identical intent derives the same id as the original's, so it is answered from the ledger instead of
 firing. `finish_replay(branch, commit=True)` makes the replay the live branch and marks the original's
-fired calls it never reached `orphaned`; `commit=False` discards what the replay staged.
+fired calls it never reached `orphaned`; `commit=False` discards what the replay staged or held.
+
+A replay's new call (one the original never made) never fires during the replay. What the live run
+would have held (`on_commit`, `manual`) the replay holds the same way, for the same release: its turn's
+commit once the replay is committed, or an operator. What the live run would have fired at once
+(`immediate`) is staged for an operator; if the adapter keeps a simulated far side for the replay
+(AgentDojo's shadow world), the agent reads that simulation's answer (`simulated`), so the replay goes
+on as the counterfactual run would have, while nothing real happened.
 
 Timeouts. A timeout before the request left (connect) leaves the call `failed`, free to retry; a
 timeout after it left leaves it `unknown`, because the far side may have acted on it: honest beats
@@ -70,6 +77,8 @@ class FirewallResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     deduplicated: bool = False
     shadowed: bool = False
     held: bool = False
+    simulated: bool = False
+    """A shadowed call whose `result` is the replay's simulated far side's answer: nothing was sent."""
     occurrence: int | None = None
     agent_call_id: str | None = None
     error_code: str | None = None
@@ -90,6 +99,9 @@ class ReplayReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Unknown in the replaced branch, never reached: resolve them, they may have fired."""
     staged: list[str] = []
     """Staged by the replay: waiting for `release` (committed) or now `shadowed` (abandoned)."""
+    held: list[str] = []
+    """The replay's own calls to held tools: waiting for their turn's commit or an operator (committed), or
+    now `dropped` (abandoned)."""
 
 
 class FirewallStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -119,6 +131,7 @@ class _Plan:
     action: Literal["fire", "answer", "held", "hold", "stage", "refuse"]
     record: CallRecord
     error: SandboxdError | None = None
+    retry: bool = False
 
 
 _RETRYABLE: tuple[CallState, ...] = ("failed", "dropped", "shadowed")
@@ -204,10 +217,14 @@ class Firewall:
             if adapter.manifest.effect != "external":
                 return self._read(adapter, session_id, clock, args, call_id, branch)
             ask = self._ask(adapter, session_id, lineage, args, call_id, mode, turn, clock)
-            outcome = self._carry_out(self._plan(ask), adapter, ask)
-            if mode == "shadow" and branch and self._config.policy(tool) == "immediate":
-                # Live, this call would have reached the world at once; held, it would not have yet.
-                adapter.shadow(session_id, branch, clock, args)
+            plan = self._plan(ask)
+            outcome = self._carry_out(plan, adapter, ask)
+            # Live, this call would have reached the world at once; held, it would not have yet. A retry
+            # was simulated when it first came, and a simulated world must not take an effect twice.
+            if mode == "shadow" and branch and ask.policy == "shadow" and not plan.retry:
+                simulated = adapter.shadow(session_id, branch, clock, args)
+                if simulated is not None and plan.action == "stage":
+                    outcome = msgspec.structs.replace(outcome, result=simulated, simulated=True)
             return outcome
         except SandboxdError as exc:
             self._count(f"error.{exc.code.value}")
@@ -240,7 +257,9 @@ class Firewall:
         tool = adapter.manifest.name
         if mode not in ("live", "shadow"):
             raise InvalidArguments(tool, f"mode must be live or shadow, not {mode!r}", "mode")
-        policy = self._config.policy(tool) if mode == "live" else "shadow"
+        configured = self._config.policy(tool)
+        # A replay never fires a new call: what would have fired at once is staged for an operator.
+        policy = "shadow" if mode == "shadow" and configured == "immediate" else configured
         if policy == "on_commit" and turn is None:
             raise InvalidArguments(tool, "an on_commit tool needs the turn the call belongs to", "turn")
         try:
@@ -254,15 +273,16 @@ class Firewall:
         """Decide, in one durable transaction, what this call is and what happens to it."""
         with self._ledger.transaction():
             branch = self._branch_for(ask.lineage, ask.mode)
-            record, is_new = self._identify(ask, branch)
+            record, is_new, retry = self._identify(ask, branch)
             plan = self._decide(ask, branch, record, is_new)
             if plan.action == "fire":
                 self._in_flight.add(record.call_id)
             fresh = self._ledger.get(record.call_id)
-            return _Plan(plan.action, fresh or record, plan.error)
+            return _Plan(plan.action, fresh or record, plan.error, retry)
 
-    def _identify(self, ask: _Ask, branch: str) -> tuple[CallRecord, bool]:
-        """The ledger call this ask names; marks a new occurrence reached in `branch`."""
+    def _identify(self, ask: _Ask, branch: str) -> tuple[CallRecord, bool, bool]:
+        """The ledger call this ask names, whether it is new and whether it retries an agent call id;
+        marks a new occurrence reached in `branch`."""
         if ask.agent_call_id is not None:
             known = self._ledger.alias(branch, ask.agent_call_id)
             if known is not None:
@@ -273,7 +293,7 @@ class Firewall:
                         ask.agent_call_id, f"for a different intent ({record.tool} {record.intent})"
                     )
                 self._count("retries")
-                return record, False
+                return record, False, True
         occurrence = self._ledger.next_occurrence(branch, ask.key)
         call_id = derive_call_id(ask.lineage, ask.tool, ask.key, occurrence)
         existing = self._ledger.get(call_id)
@@ -292,7 +312,7 @@ class Firewall:
             turn=ask.turn,
         )
         self._ledger.mark_reached(branch, record, ask.session_id, ask.turn, ask.agent_call_id)
-        return record, existing is None
+        return record, existing is None, False
 
     def _decide(self, ask: _Ask, branch: str, record: CallRecord, is_new: bool) -> _Plan:
         call_id, state = record.call_id, record.state
@@ -430,9 +450,15 @@ class Firewall:
     # Held effects and operators ------------------------------------------------------------------
 
     def commit(self, session_id: str, turn: int) -> list[FirewallResult]:
-        """Fire every effect held for this committed turn; failures are reported in the results."""
+        """Fire every effect held for this committed turn; failures are reported in the results.
+
+        A replay still open holds its calls back: its turns are not the session's until it is committed.
+        """
         results = []
         for held in self._ledger.held(session_id=session_id, turn=turn, policy="on_commit"):
+            branch = self._ledger.branch(held.branch)
+            if branch is not None and branch.status == "replay":
+                continue
             try:
                 results.append(self.release(held.call_id))
             except SandboxdError as exc:
@@ -560,14 +586,18 @@ class Firewall:
             if info is None or info.status != "replay" or info.parent is None:
                 status = info.status if info else "absent"
                 raise BranchStateError(info.lineage if info else "?", branch, f"branch {branch} is {status}")
-            staged = [held.call_id for held in self._ledger.held(branch=branch, policy="shadow")]
-            report = ReplayReport(branch=branch, lineage=info.lineage, committed=commit, staged=staged)
+            mine = self._ledger.held(branch=branch)
+            staged = [held.call_id for held in mine if held.policy == "shadow"]
+            kept = [held.call_id for held in mine if held.policy != "shadow"]
+            report = ReplayReport(branch=branch, lineage=info.lineage, committed=commit, staged=staged, held=kept)
             if commit:
                 self._supersede(info.parent, branch, report)
             else:
                 for call_id in staged:
                     self._ledger.transition(call_id, "shadowed", ("staged",), note="replay abandoned")
                     self._ledger.unhold(call_id)
+                for call_id in kept:
+                    self._drop(call_id, "replay abandoned")
                 self._ledger.set_branch_status(branch, "abandoned")
         self._count("orphaned", len(report.orphaned))
         return report

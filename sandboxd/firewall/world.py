@@ -159,17 +159,24 @@ class AgentDojoWorld:
             result, error = self._call(shadow if shadow is not None else env, tool, args, clock)
             if shadow is None and tool in STATE_CHANGING:
                 self._save(self._path(session_id), env)
+        return self._answer(result, error)
+
+    def apply_shadow(self, session_id: str, branch: str, tool: str, args: dict[str, Any],
+                     clock: float | None) -> dict[str, Any] | None:
+        """A replay's external call, answered or staged by the firewall: the shadow world takes its effect.
+
+        Returns the shadow's answer, shaped like `run`'s, or None when the replay has no shadow world.
+        """
+        with self._lock_of(session_id):
+            shadow = self._shadows.get((session_id, branch))
+            if shadow is None:
+                return None
+            return self._answer(*self._call(shadow, tool, args, clock))
+
+    def _answer(self, result: Any, error: str | None) -> dict[str, Any]:
         if error is not None:
             return {"output": error, "error": error}
         return {"output": self._render(result)}
-
-    def apply_shadow(self, session_id: str, branch: str, tool: str, args: dict[str, Any],
-                     clock: float | None) -> None:
-        """A replay's external call, answered or staged by the firewall: the shadow world takes its effect."""
-        with self._lock_of(session_id):
-            shadow = self._shadows.get((session_id, branch))
-            if shadow is not None:
-                self._call(shadow, tool, args, clock)
 
     def _call(self, env: Any, tool: str, args: dict[str, Any], clock: float | None) -> tuple[Any, str | None]:
         token = _clock.set(clock if clock is not None else time.time())
@@ -308,5 +315,5 @@ class WorldToolAdapter(EffectAdapter):
                 branch: str = "") -> dict[str, Any]:
         return self.world.run(session_id, self.manifest.name, args, clock, branch)
 
-    def shadow(self, session_id: str, branch: str, clock: float | None, args: dict[str, Any]) -> None:
-        self.world.apply_shadow(session_id, branch, self.manifest.name, args, clock)
+    def shadow(self, session_id: str, branch: str, clock: float | None, args: dict[str, Any]) -> dict[str, Any] | None:
+        return self.world.apply_shadow(session_id, branch, self.manifest.name, args, clock)

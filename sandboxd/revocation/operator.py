@@ -343,7 +343,7 @@ class RevocationOperator:
                 effects: Any, leak: dict[str, Any]) -> p.RevocationReport:
         tokens = req.tokens
         counts = dict(req.call_counts)
-        counts.update(staged=len(effects.staged), orphaned=len(effects.orphaned),
+        counts.update(staged=len(effects.staged), held=len(effects.held), orphaned=len(effects.orphaned),
                       fired_twice=self.service.firewall.ledger.fired_twice(row["session_id"]))
         for key in ("reexecuted", "reused", "shadowed", "deduplicated"):
             counts.setdefault(key, 0)
@@ -391,6 +391,7 @@ class RevocationOperator:
 class _NoEffects(msgspec.Struct):
     orphaned: list[str] = []
     staged: list[str] = []
+    held: list[str] = []
 
 
 _NO_EFFECTS = _NoEffects()

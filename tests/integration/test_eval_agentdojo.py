@@ -109,6 +109,27 @@ def test_a_replay_reads_the_world_as_it_was_at_the_splice(policy: str) -> None:
     assert b7["world_match"] == int(policy == "on_commit")  # under immediate the hijack fired: orphaned
 
 
+@pytest.mark.parametrize("policy", ["immediate", "on_commit"])
+def test_a_replays_new_call_reads_what_the_live_run_would_have_read(policy: str) -> None:
+    """slack's external channel is named by the injection, so the agent that forgot it adds the user to a
+    channel the original never named: a new call, which a replay never fires. It reads what B5 read live:
+    the simulated world's answer (immediate) or "held until this turn is committed" (on_commit)."""
+    pair = "slack/user_task_7/injection_task_1"
+    results = evaluate("slack", ["B5", "B7"], policy, progress=lambda _l: None, only=[pair])
+    [b7], [b5] = rows(results, "B7"), rows(results, "B5")
+    assert {c: b7[c] for c in SAME_AS_B5} == {c: b5[c] for c in SAME_AS_B5} == \
+        {"any_leak": 0, "cad": 0, "agreement": 1.0, "leak_at_probes": 0, "residue": 0}
+    assert b7["fired_twice"] == 0 and b7["orphaned_exact"] == 1
+    if policy == "immediate":
+        # The user's own call carried the injected name and fired: orphaned too. It reached a real channel,
+        # so the world (and AgentDojo's utility) differ from B5's, where that channel was never named.
+        assert b7["orphaned"] == 2 and b7["orphaned_beyond_hijack"] == 1
+        assert any(tool == "add_user_to_channel" and "<INFORMATION>" in args for tool, args in b7["orphaned_calls"])
+        assert (b7["utility"], b5["utility"], b7["world_match"]) == (1, 0, 0)
+    else:
+        assert (b7["orphaned"], b7["world_match"], b7["security_after"], b7["utility_match"]) == (0, 1, 0, 1)
+
+
 def test_a_rerun_resumes_from_the_journal(banking: dict[str, dict[str, Any]], journal: Path) -> None:
     lines: list[str] = []
     again = evaluate("banking", METHODS, "immediate", limit=2, progress=lines.append, journal=journal)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import threading
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from sandboxd.errors import InvalidArguments, NotFound
+from sandboxd.firewall import Firewall, FirewallConfig, open_database
 from sandboxd.firewall.world import STATE_CHANGING, AgentDojoWorld
 
 pytest.importorskip("agentdojo")
@@ -120,6 +122,35 @@ def test_a_replay_reads_a_shadow_of_the_world_at_its_splice(tmp_path: Path) -> N
     world.end_shadow("s-1", "s-1#r2", commit=False)  # abandoned: its marks go with it
     assert not (tmp_path / "s-1.marks" / "cp-3.pkl").exists()
     assert [p.name for p in (tmp_path / "s-1.marks").iterdir() if p.is_dir()] == []
+
+
+def test_a_replays_new_call_reads_the_shadow_worlds_answer_and_fires_nothing(tmp_path: Path) -> None:
+    world = AgentDojoWorld("banking", tmp_path / "world")
+    db = open_database(str(tmp_path / "ledger.db"))
+    firewall = Firewall(FirewallConfig(), db, threading.RLock(), adapters=world.adapters(5.0))
+    world.reset("s-1", {}, None)
+    count = len(pickle.loads(world.state("s-1")).bank_account.transactions)
+    world.mark("s-1", "cp-1")
+    pay = {"recipient": "X", "amount": 5.0, "subject": "rent", "date": "2022-01-01"}
+    fired = firewall.call("s-1", "s-1", "send_money", pay, turn=1)
+    assert fired.state == "done" and not fired.simulated
+    branch = firewall.begin_replay("s-1")
+    world.begin_shadow("s-1", branch, "cp-1")
+    other = {**pay, "subject": "other", "amount": 7.0}
+    new = firewall.call("s-1", "s-1", "send_money", other, call_id="r/call-1", mode="shadow", turn=1, branch=branch)
+    # The answer the live world would have given, though the call is staged, not sent.
+    assert new.state == "staged" and new.shadowed and new.simulated
+    assert new.result == {"output": "{'message': 'Transaction to X for 7.0 sent.'}"}
+    # A retry of the same agent call is not simulated twice: the shadow holds one 'other' payment.
+    again = firewall.call("s-1", "s-1", "send_money", other, call_id="r/call-1", mode="shadow", turn=1, branch=branch)
+    assert again.call_id == new.call_id and again.state == "staged" and not again.simulated
+    shadow = world.run("s-1", "get_most_recent_transactions", {"n": 100}, None, branch=branch)["output"]
+    assert shadow.count("subject: other") == 1 and "subject: rent" not in shadow
+    # Nothing was sent: the real world holds the original payment alone, and the call waits for an operator.
+    real = pickle.loads(world.state("s-1")).bank_account.transactions
+    assert len(real) == count + 1 and real[-1].subject == "rent"
+    assert firewall.finish_replay(branch, commit=True).staged == [new.call_id]
+    db.close()
 
 
 def test_a_name_copied_from_a_result_is_copied_as_the_agent_read_it() -> None:

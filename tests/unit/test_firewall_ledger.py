@@ -280,6 +280,43 @@ def test_abandoned_replay_leaves_nothing_staged(make_firewall: Callable[..., Any
     assert adapter.fired == [original.call_id, live.call_id]
 
 
+@pytest.mark.parametrize("policy", ["on_commit", "manual"])
+def test_a_replay_holds_a_new_call_to_a_held_tool_as_the_live_run_would(
+    make_firewall: Callable[..., Any], policy: str
+) -> None:
+    firewall, adapter = make_firewall({"notify": policy})
+    original = firewall.call("s", "lin", "notify", {"text": "a"}, turn=1)
+    branch = firewall.begin_replay("lin")
+    new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=1)
+    live_would = {"on_commit": "held until this turn is committed", "manual": "held for operator approval"}
+    assert new.held and not new.shadowed and new.state == "staged" and new.result is not None
+    assert (new.result["policy"], new.result["message"]) == (policy, live_would[policy])
+    # The replay is not the session's yet: committing the turn now releases only the original's hold.
+    assert [r.call_id for r in firewall.commit("s", 1)] == ([original.call_id] if policy == "on_commit" else [])
+    assert new.call_id not in adapter.fired
+    report = firewall.finish_replay(branch, commit=True)
+    assert report.held == [new.call_id] and report.staged == []
+    if policy == "on_commit":
+        assert [r.state for r in firewall.commit("s", 1)] == ["done"]
+    else:
+        assert firewall.release(new.call_id).state == "done"
+    assert adapter.fired[-1] == new.call_id
+
+
+def test_an_abandoned_replay_drops_what_it_held(make_firewall: Callable[..., Any]) -> None:
+    firewall, adapter = make_firewall({"notify": "on_commit"})
+    branch = firewall.begin_replay("lin")
+    new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=3)
+    report = firewall.finish_replay(branch, commit=False)
+    assert report.held == [new.call_id] and firewall.outbox() == []
+    record = firewall.ledger.get(new.call_id)
+    assert record is not None and record.state == "dropped"
+    assert firewall.commit("s", 3) == [] and adapter.fired == []
+    firewall.begin_replay("lin")
+    with pytest.raises(InvalidArguments):  # held for its turn's commit, so it needs a turn, replay or not
+        firewall.call("s", "lin", "notify", {"text": "c"}, mode="shadow")
+
+
 def test_replay_from_turn_inherits_the_prefix(make_firewall: Callable[..., Any]) -> None:
     firewall, adapter = make_firewall()
     early = firewall.call("s", "lin", "notify", {"text": "same"}, turn=1)
