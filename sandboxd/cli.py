@@ -140,8 +140,9 @@ def cmd_outbox(args: argparse.Namespace, client: Client) -> None:
             _print(args, {"dropped": args.call}, lambda d: f"dropped {d['dropped']}")
         return
     held = client.outbox(None if args.target == "all" else args.target)
-    _print(args, held, lambda hs: _table([["CALL", "SESSION", "TOOL", "POLICY", "TURN"]] + [
-        [h.call_id, h.session_id, h.tool, h.policy, "" if h.turn is None else str(h.turn)] for h in hs]))
+    _print(args, held, lambda hs: _table([["CALL", "SESSION", "TOOL", "POLICY", "TURN", "OPEN REPLAY"]] + [
+        [h.call_id, h.session_id, h.tool, h.policy, "" if h.turn is None else str(h.turn), h.replay or ""]
+        for h in hs]))
 
 
 def cmd_commit(args: argparse.Namespace, client: Client) -> None:

@@ -107,6 +107,8 @@ class LedgerCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state: str
     args: dict[str, Any]
     result: dict[str, Any] | None = None
+    simulated: dict[str, Any] | None = None
+    """A replay-staged call's answer from the replay's simulated far side: what the agent read."""
     error: str | None = None
     turn: int | None = None
     occurrence: int | None = None
@@ -125,6 +127,8 @@ class HeldCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     turn: int | None
     held_at: float
     args: dict[str, Any]
+    replay: str | None = None
+    """The open replay branch that holds it: neither released nor dropped until that replay is finished."""
 
 
 ArtifactType = Literal[

@@ -229,6 +229,8 @@ class SandboxService:
         with self.session_lock(req.session_id):
             self.check_open(req.session_id)
             self.state.update_session(req.session_id, state="closing")
+            # A replay left open would keep its holds out of reach of every later decision.
+            self.firewall.abandon_open_replay(req.session_id)
             for held in self.firewall.outbox(req.session_id):
                 if held.policy == "on_commit":  # its turn can never commit now
                     self.firewall.drop(held.call_id)

@@ -71,7 +71,7 @@ class FirewallHandlers:
     def outbox(self, req: p.OutboxRequest) -> p.OutboxResponse:
         held = [
             p.HeldCall(call_id=h.call_id, session_id=h.session_id, tool=h.tool, policy=h.policy, turn=h.turn,
-                       held_at=h.held_at, args=h.args)
+                       held_at=h.held_at, args=h.args, replay=h.branch if self.firewall.in_open_replay(h) else None)
             for h in self.firewall.outbox(req.session_id)
         ]
         return p.OutboxResponse(request_id=req.request_id, held=held)
@@ -125,7 +125,8 @@ def call_result(outcome: FirewallResult) -> p.CallResult:
 def ledger_call(record: CallRecord) -> p.LedgerCall:
     return p.LedgerCall(
         call_id=record.call_id, session_id=record.session_id, tool=record.tool, effect="external",
-        state=record.state, args=record.args, result=record.result, error=record.error, turn=record.turn,
+        state=record.state, args=record.args, result=record.result, simulated=record.simulated,
+        error=record.error, turn=record.turn,
         occurrence=record.occurrence, policy=record.policy, created_at=record.created_at,
         updated_at=record.updated_at,
     )

@@ -60,6 +60,8 @@ class CallRecord(msgspec.Struct, kw_only=True):
     policy: str
     turn: int | None = None
     result: dict[str, Any] | None = None
+    simulated: dict[str, Any] | None = None
+    """What a replay's shadow world answered for this staged call; nothing real happened."""
     error: str | None = None
     attempts: int = 0
     created_at: float = 0.0
@@ -108,6 +110,7 @@ _SCHEMA: dict[str, tuple[dict[str, type], str | tuple[str, ...]]] = {
             "policy": str,
             "turn": int,
             "result": str,
+            "simulated": str,
             "error": str,
             "attempts": int,
             "created_at": float,
@@ -188,7 +191,13 @@ class Ledger:
     def _create_schema(self) -> None:
         with self._db.atomic():
             for name, (columns, pk) in _SCHEMA.items():
-                self._db.table(name).create(columns, pk=pk, if_not_exists=True)
+                table = self._db.table(name)
+                table.create(columns, pk=pk, if_not_exists=True)
+                # A ledger written by an older daemon lacks the newer columns; every one is nullable.
+                present = table.columns_dict
+                for column, kind in columns.items():
+                    if column not in present:
+                        table.add_column(column, kind)
             for name, cols in _INDEXES:
                 self._db.table(name).create_index(cols, if_not_exists=True)
 
@@ -276,6 +285,14 @@ class Ledger:
         )
         self._event(call_id, row[0], to, note or (error or ""))
         return str(row[0])
+
+    def set_simulated(self, call_id: str, answer: dict[str, Any] | None) -> None:
+        """Keep (or, with None, forget) a staged call's simulated answer, so a retry reads it again
+        (inside `transaction()`)."""
+        encoded = None if answer is None else _json_encode(answer).decode()
+        self._db.execute("UPDATE ledger_calls SET simulated = ? WHERE call_id = ?", [encoded, call_id])
+        if answer is not None:
+            self._event(call_id, "staged", "staged", "answered by the replay's simulated far side")
 
     def _event(self, call_id: str, from_state: str | None, to_state: str, note: str) -> None:
         self._db.execute(
@@ -392,10 +409,12 @@ class Ledger:
         turn: int | None = None,
         policy: HoldPolicy | None = None,
         branch: str | None = None,
+        call_id: str | None = None,
     ) -> list[HeldEffect]:
         """Effects in the outbox, filtered by whichever of the arguments are given."""
         where, params = [], []
         for column, value in (
+            ("o.call_id", call_id),
             ("o.session_id", session_id),
             ("o.turn", turn),
             ("o.policy", policy),
@@ -504,6 +523,7 @@ def _record(row: dict[str, Any]) -> CallRecord:
         policy=row["policy"],
         turn=row["turn"],
         result=None if row["result"] is None else _json_decode(row["result"]),
+        simulated=None if row["simulated"] is None else _json_decode(row["simulated"]),
         error=row["error"],
         attempts=row["attempts"],
         created_at=row["created_at"],

@@ -17,10 +17,13 @@ fired calls it never reached `orphaned`; `commit=False` discards what the replay
 
 A replay's new call (one the original never made) never fires during the replay. What the live run
 would have held (`on_commit`, `manual`) the replay holds the same way, for the same release: its turn's
-commit once the replay is committed, or an operator. What the live run would have fired at once
+commit once the replay is committed, or an operator. While the replay is open nothing else decides its
+holds (a turn's commit or drop passes over them, `release` and `drop` refuse), since an abandoned
+replay's effects must never have fired. What the live run would have fired at once
 (`immediate`) is staged for an operator; if the adapter keeps a simulated far side for the replay
-(AgentDojo's shadow world), the agent reads that simulation's answer (`simulated`), so the replay goes
-on as the counterfactual run would have, while nothing real happened.
+(AgentDojo's shadow world), the agent reads that simulation's answer (`simulated`, kept in the ledger
+so a retry reads it again without simulating twice), so the replay goes on as the counterfactual run
+would have, while nothing real happened.
 
 Timeouts. A timeout before the request left (connect) leaves the call `failed`, free to retry; a
 timeout after it left leaves it `unknown`, because the far side may have acted on it: honest beats
@@ -224,6 +227,8 @@ class Firewall:
             if mode == "shadow" and branch and ask.policy == "shadow" and not plan.retry:
                 simulated = adapter.shadow(session_id, branch, clock, args)
                 if simulated is not None and plan.action == "stage":
+                    with self._ledger.transaction():
+                        self._ledger.set_simulated(plan.record.call_id, simulated)
                     outcome = msgspec.structs.replace(outcome, result=simulated, simulated=True)
             return outcome
         except SandboxdError as exc:
@@ -333,6 +338,7 @@ class Firewall:
             self._ledger.insert_call(msgspec.structs.replace(record, state=target, policy=ask.policy))
         else:
             self._ledger.transition(call_id, target, _RETRYABLE, note="reached again", policy=ask.policy)
+            self._ledger.set_simulated(call_id, None)
         if target == "intent":
             return _Plan("fire", record)
         self._ledger.hold(record, branch, ask.session_id, ask.turn, _hold_policy(ask.policy))
@@ -362,14 +368,21 @@ class Firewall:
             self._count("staged")
         held = plan.action in ("held", "hold") and record.policy != "shadow"
         shadowed = plan.action == "stage" or (plan.action == "held" and record.policy == "shadow")
+        # A retry of a staged call reads what its first try read: the simulation, when there was one.
+        simulated = shadowed and plan.action == "held" and record.simulated is not None
+        if plan.action == "answer":
+            result = record.result
+        else:
+            result = record.simulated if simulated else _hold_payload(record)
         return FirewallResult(
             call_id=record.call_id,
             tool=record.tool,
             state=record.state,
-            result=record.result if plan.action == "answer" else _hold_payload(record),
+            result=result,
             deduplicated=plan.action in ("answer", "held"),
             shadowed=shadowed,
             held=held,
+            simulated=simulated,
             occurrence=record.occurrence,
             agent_call_id=ask.agent_call_id,
         )
@@ -456,8 +469,7 @@ class Firewall:
         """
         results = []
         for held in self._ledger.held(session_id=session_id, turn=turn, policy="on_commit"):
-            branch = self._ledger.branch(held.branch)
-            if branch is not None and branch.status == "replay":
+            if self.in_open_replay(held):
                 continue
             try:
                 results.append(self.release(held.call_id))
@@ -475,17 +487,42 @@ class Firewall:
         return results
 
     def drop_turn(self, session_id: str, turn: int) -> list[str]:
-        """Drop every effect held for a turn that was revoked before it committed; returns their ids."""
+        """Drop every effect held for a turn that was revoked before it committed; returns their ids.
+
+        An open replay's holds are its own: finishing the replay decides them.
+        """
         with self._ledger.transaction():
-            held = self._ledger.held(session_id=session_id, turn=turn, policy="on_commit")
+            held = [
+                effect
+                for effect in self._ledger.held(session_id=session_id, turn=turn, policy="on_commit")
+                if not self.in_open_replay(effect)
+            ]
             for effect in held:
                 self._drop(effect.call_id, f"turn {turn} of {session_id} dropped")
         return [effect.call_id for effect in held]
+
+    def in_open_replay(self, effect: HeldEffect) -> bool:
+        """Whether an open replay holds this effect (then only finishing the replay decides it)."""
+        branch = self._ledger.branch(effect.branch)
+        return branch is not None and branch.status == "replay"
+
+    def _check_decidable(self, call_id: str) -> None:
+        """Refuse to release or drop what an open replay holds: the replay may yet be abandoned, and
+        a released effect cannot be taken back (inside `transaction()`)."""
+        for effect in self._ledger.held(call_id=call_id):
+            if self.in_open_replay(effect):
+                raise BranchStateError(
+                    effect.lineage,
+                    effect.branch,
+                    f"call {call_id} is held by replay {effect.branch}, which is still open: "
+                    "commit or abandon the replay first",
+                )
 
     def release(self, call_id: str) -> FirewallResult:
         """Fire a staged (held or replay-staged) effect now."""
         with self._ledger.transaction():
             record = self._ledger.get(call_id)
+            self._check_decidable(call_id)
             self._ledger.transition(call_id, "released", ("staged",), note="released")
             self._ledger.unhold(call_id)
             self._in_flight.add(call_id)
@@ -496,6 +533,7 @@ class Firewall:
     def drop(self, call_id: str) -> None:
         """Discard a staged effect without firing it."""
         with self._ledger.transaction():
+            self._check_decidable(call_id)
             self._drop(call_id, "dropped by operator")
 
     def _drop(self, call_id: str, note: str) -> None:
@@ -601,6 +639,12 @@ class Firewall:
                 self._ledger.set_branch_status(branch, "abandoned")
         self._count("orphaned", len(report.orphaned))
         return report
+
+    def abandon_open_replay(self, lineage: str) -> ReplayReport | None:
+        """Abandon the lineage's open replay, if it has one (its session is closing)."""
+        with self._lock:
+            open_replay = self._ledger.branch_with_status(lineage, "replay")
+            return None if open_replay is None else self.finish_replay(open_replay.branch, commit=False)
 
     def _supersede(self, parent: str, branch: str, report: ReplayReport) -> None:
         for record in self._ledger.unreached(parent, branch, ("done",)):

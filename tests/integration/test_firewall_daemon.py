@@ -162,6 +162,21 @@ def test_manual_release_and_drop(firewalled: Callable[..., DaemonProcess], smtp:
     assert err.value.wire_code == "invalid_state" and smtp.count == 1
 
 
+def test_an_open_replays_hold_waits_for_the_replay(firewalled: Callable[..., DaemonProcess],
+                                                  smtp: SlowSmtpSink) -> None:
+    client = firewalled({"send_email": "manual"}).client()
+    sid = client.open_session().session_id
+    branch = client.begin_replay(sid)
+    new = client.call(sid, "send_email", mail(1), mode="shadow", turn=1)
+    assert new.held and [h.replay for h in client.outbox(sid)] == [branch]
+    with pytest.raises(RemoteError) as err:
+        client.release(new.call_id)
+    assert err.value.wire_code == "invalid_state" and "still open" in str(err.value) and smtp.count == 0
+    client.close_session(sid)  # the replay can never be committed now: what it held goes with it
+    assert client.outbox(sid) == [] and smtp.count == 0
+    assert [c.state for c in client.calls(sid) if c.call_id == new.call_id] == ["dropped"]
+
+
 def test_bad_external_input_is_refused_cleanly(firewalled: Callable[..., DaemonProcess], http: HttpSink,
                                                smtp: SlowSmtpSink) -> None:
     client = firewalled().client()

@@ -141,15 +141,23 @@ def test_a_replays_new_call_reads_the_shadow_worlds_answer_and_fires_nothing(tmp
     # The answer the live world would have given, though the call is staged, not sent.
     assert new.state == "staged" and new.shadowed and new.simulated
     assert new.result == {"output": "{'message': 'Transaction to X for 7.0 sent.'}"}
-    # A retry of the same agent call is not simulated twice: the shadow holds one 'other' payment.
+    # A retry of the same agent call reads the same answer, but is not simulated twice: the shadow
+    # holds one 'other' payment.
     again = firewall.call("s-1", "s-1", "send_money", other, call_id="r/call-1", mode="shadow", turn=1, branch=branch)
-    assert again.call_id == new.call_id and again.state == "staged" and not again.simulated
+    assert again.call_id == new.call_id and again.state == "staged" and again.deduplicated
+    assert again.simulated and again.result == new.result
+    record = firewall.ledger.get(new.call_id)
+    assert record is not None and record.simulated == new.result and record.result is None
     shadow = world.run("s-1", "get_most_recent_transactions", {"n": 100}, None, branch=branch)["output"]
     assert shadow.count("subject: other") == 1 and "subject: rent" not in shadow
     # Nothing was sent: the real world holds the original payment alone, and the call waits for an operator.
     real = pickle.loads(world.state("s-1")).bank_account.transactions
     assert len(real) == count + 1 and real[-1].subject == "rent"
     assert firewall.finish_replay(branch, commit=True).staged == [new.call_id]
+    # Released, it reaches the real world, whose answer replaces nothing the agent was told.
+    released = firewall.release(new.call_id)
+    assert released.state == "done" and not released.simulated and released.result is not None
+    assert pickle.loads(world.state("s-1")).bank_account.transactions[-1].subject == "other"
     db.close()
 
 

@@ -317,6 +317,46 @@ def test_an_abandoned_replay_drops_what_it_held(make_firewall: Callable[..., Any
         firewall.call("s", "lin", "notify", {"text": "c"}, mode="shadow")
 
 
+def test_an_open_replays_holds_wait_for_the_replay_to_finish(make_firewall: Callable[..., Any]) -> None:
+    firewall, adapter = make_firewall({"notify": "on_commit"})
+    original = firewall.call("s", "lin", "notify", {"text": "a"}, turn=2)
+    branch = firewall.begin_replay("lin")
+    new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=2)
+    # Released now, an effect of a replay that may yet be abandoned could not be taken back.
+    for decide in (firewall.release, firewall.drop):
+        with pytest.raises(BranchStateError, match="still open"):
+            decide(new.call_id)
+    assert firewall.drop_turn("s", 2) == [original.call_id]
+    record = firewall.ledger.get(new.call_id)
+    assert record is not None and record.state == "staged" and adapter.fired == []
+    assert [h.call_id for h in firewall.outbox("s") if firewall.in_open_replay(h)] == [new.call_id]
+    firewall.finish_replay(branch, commit=True)
+    assert not any(firewall.in_open_replay(h) for h in firewall.outbox("s"))
+    assert [r.state for r in firewall.commit("s", 2)] == ["done"] and adapter.fired == [new.call_id]
+
+
+def test_a_closing_session_abandons_its_open_replay(make_firewall: Callable[..., Any]) -> None:
+    firewall, adapter = make_firewall({"notify": "manual"})
+    assert firewall.abandon_open_replay("lin") is None
+    branch = firewall.begin_replay("lin")
+    new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=1)
+    report = firewall.abandon_open_replay("lin")
+    assert report is not None and report.branch == branch and not report.committed
+    assert report.held == [new.call_id] and firewall.outbox() == [] and adapter.fired == []
+    firewall.begin_replay("lin")  # nothing is left open
+
+
+def test_a_ledger_from_before_simulated_answers_gains_the_column(db_path: Path) -> None:
+    old = sqlite3.connect(db_path)
+    old.execute("CREATE TABLE ledger_calls (call_id TEXT PRIMARY KEY, state TEXT, result TEXT)")
+    old.commit()
+    old.close()
+    db = open_database(str(db_path))
+    Ledger(db, threading.RLock())
+    assert "simulated" in db["ledger_calls"].columns_dict
+    db.close()
+
+
 def test_replay_from_turn_inherits_the_prefix(make_firewall: Callable[..., Any]) -> None:
     firewall, adapter = make_firewall()
     early = firewall.call("s", "lin", "notify", {"text": "same"}, turn=1)
