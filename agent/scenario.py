@@ -3,8 +3,10 @@
 A scenario is the exogenous side of a session: a system prompt, seeded memories and the user's
 tasks. The scripted policy decides each model turn from the context alone: the current task is the
 last user input, and the next action is the task's next step unless an observation of this task
-carries an instruction the policy obeys, as a hijacked agent would. Remove the instruction from the
-context and the same policy does what an unhijacked agent does; that is what replay relies on.
+carries an instruction the policy obeys, as a hijacked agent would. A preference anywhere in the
+context (an exclusion: "leave Acme out of every report") shapes what it writes without being
+restated. Remove the instruction or the preference from the context and the same policy does what an
+agent that never read it does; that is what replay relies on.
 """
 
 from __future__ import annotations
@@ -68,6 +70,38 @@ def obeyed_instructions(text: str) -> list[ToolStep]:
     return [step for _, step in sorted(found, key=lambda pair: pair[0])]
 
 
+# A user's exclusion, as a preference file or a note states it: a name to keep out of what the agent writes.
+_EXCLUDE = re.compile(r"\b[Ll]eave (?P<name>[A-Z][\w-]*(?: [A-Z][\w-]*)*) out of every report\b")
+_CLAUSE_END = re.compile(r"(?<=[.,;])[ \t]+")
+
+
+def excluded_names(context: Sequence[ContextBlock]) -> list[str]:
+    """The names the context's exclusions keep out, wherever they are read (results, memories, summaries)."""
+    found = {m["name"] for b in context if b.type != "model_turn" for m in _EXCLUDE.finditer(b.text)}
+    return sorted(found)
+
+
+def without(text: str, names: Sequence[str]) -> str:
+    """`text` without the clauses that mention an excluded name (its first word): what an agent that
+    honours the exclusion writes, with no word of the exclusion itself."""
+    words = [name.split()[0] for name in names]
+    lines = []
+    for line in text.split("\n"):
+        clauses = _CLAUSE_END.split(line)
+        kept = [c for c in clauses if not any(w in c for w in words)]
+        if len(kept) != len(clauses):
+            line = re.sub(r"[,;]$", ".", " ".join(kept))
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _honour(step: ToolStep, names: Sequence[str]) -> ToolStep:
+    if not names:
+        return step
+    return ToolStep(name=step.name, arguments={k: without(v, names) if isinstance(v, str) else v
+                                                 for k, v in step.arguments.items()})
+
+
 def turn_text(step: ToolStep | None, answer: str = "", plan: str = "") -> str:
     """A model turn as JSON: one tool call in OpenAI's shape, or the final answer."""
     body: dict[str, Any] = {}
@@ -112,10 +146,11 @@ class ScriptedPolicy:
         since = context[users[-1] + 1:]
         results = [b.text for b in since if b.type == "observation"]
         actions = self._actions(task, results)
+        names = excluded_names(context)
         done = len(results)
         if done < len(actions):
-            return turn_text(actions[done], plan=task.plan if done == 0 and task.plan else "")
-        return turn_text(None, answer=task.answer)
+            return turn_text(_honour(actions[done], names), plan=task.plan if done == 0 and task.plan else "")
+        return turn_text(None, answer=without(task.answer, names) if names else task.answer)
 
     def _actions(self, task: Task, results: list[str]) -> list[ToolStep]:
         """The task's steps, with obeyed instructions spliced in right after the result that carried them."""

@@ -130,12 +130,20 @@ class PairContext:
         return agent
 
     def revocation(self, agent: AgentSession) -> tuple[str, str]:
-        """(revocation id, source artifact) of the detector's first pending revocation of this session.
+        """(revocation id, source artifact) of the detector's first pending revocation of this session, or,
+        for a withdrawn input, of the operator's revocation of the observation that carried it.
 
         An injection read twice is flagged twice; the first is the one to revoke (the replay's results
         are sanitized of it, and the later flags' sources are part of the suffix the replay discards).
         """
         pending = agent.client.pending_revocations(agent.session_id)
+        if not pending and self.pair.withdrawn:
+            source = next((b.artifact_id for b in agent.blocks if b.type == "observation" and self.target in b.text),
+                          None)
+            if source is None:
+                raise RuntimeError("the withdrawn input was never read: no observation carries it")
+            agent.client.revoke(agent.session_id, source, self.target)
+            pending = agent.client.pending_revocations(agent.session_id)
         if not pending:
             raise RuntimeError("the detector raised no revocation: the injection was not flagged")
         first = min(pending, key=lambda r: r.tau)
@@ -169,6 +177,7 @@ class PairLike(Protocol):
     target: str | None
     payloads: tuple[str, ...]
     forget_input: str
+    withdrawn: bool
     setup: Callable[[Client, str], object] | None
     obey: Obey | None
     copy: Copy | None
