@@ -96,8 +96,6 @@ def without(text: str, names: Sequence[str]) -> str:
 
 
 def _honour(step: ToolStep, names: Sequence[str]) -> ToolStep:
-    if not names:
-        return step
     return ToolStep(name=step.name, arguments={k: without(v, names) if isinstance(v, str) else v
                                                  for k, v in step.arguments.items()})
 
@@ -150,7 +148,7 @@ class ScriptedPolicy:
         done = len(results)
         if done < len(actions):
             return turn_text(_honour(actions[done], names), plan=task.plan if done == 0 and task.plan else "")
-        return turn_text(None, answer=without(task.answer, names) if names else task.answer)
+        return turn_text(None, answer=without(task.answer, names))
 
     def _actions(self, task: Task, results: list[str]) -> list[ToolStep]:
         """The task's steps, with obeyed instructions spliced in right after the result that carried them."""

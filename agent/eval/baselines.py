@@ -142,8 +142,7 @@ class PairContext:
                           None)
             if source is None:
                 raise RuntimeError("the withdrawn input was never read: no observation carries it")
-            agent.client.revoke(agent.session_id, source, self.target)
-            pending = agent.client.pending_revocations(agent.session_id)
+            pending = [agent.client.revoke(agent.session_id, source, self.target).revocation]
         if not pending:
             raise RuntimeError("the detector raised no revocation: the injection was not flagged")
         first = min(pending, key=lambda r: r.tau)
