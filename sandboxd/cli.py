@@ -173,7 +173,9 @@ def cmd_graph(args: argparse.Namespace, client: Client) -> None:
     closure: set[str] = set()
     if args.source:
         closure = set(client.provenance(args.session, args.source).taint_closure)
-    text = render(graph.artifacts, graph.checkpoints, closure, args.format, source=args.source)
+    # The closure is what a revocation of the source takes back: drawn redacted unless asked otherwise.
+    text = render(graph.artifacts, graph.checkpoints, closure, args.format, source=args.source,
+                  redact=set() if args.show_text else closure)
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -252,7 +254,9 @@ def parser() -> argparse.ArgumentParser:
     graph = add("graph", cmd_graph, "draw the provenance graph, a source's taint closure highlighted")
     graph.add_argument("session")
     graph.add_argument("--format", choices=["json", "dot", "svg"], default="json")
-    graph.add_argument("--source", help="highlight the taint closure of this artifact")
+    graph.add_argument("--source", help="highlight the taint closure of this artifact (its text redacted)")
+    graph.add_argument("--show-text", action="store_true",
+                       help="with --source: draw the closure's text too instead of a digest of it")
     graph.add_argument("--output", "-o", help="write to this file instead of stdout")
     return top
 

@@ -35,6 +35,9 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(config: DaemonConfig, verbose: bool = False) -> None:
     handler_file = logging.FileHandler(config.state_path / "sandboxd.log")
     handler_err = logging.StreamHandler(sys.stderr)
+    # stderr gets warnings only: a revocation scrubs the log file in the state directory, but cannot reach
+    # wherever stderr was sent, so what a failed call's message quotes stays in the file alone.
+    handler_err.setLevel(logging.WARNING)
     for handler in (handler_file, handler_err):
         handler.setFormatter(JsonFormatter())
     root = logging.getLogger("sandboxd")

@@ -73,13 +73,11 @@ def run(daemon: DaemonProcess, reference: DaemonProcess, mail: MailSink, web: We
     print(f"\n== the detector flagged {len(pending)} observation(s)")
     for info in pending:
         print(f"   {info.revocation_id}: source {info.source} (tau={info.tau}), raised by {info.raised_by}")
-    source = pending[0].source
-    graph = client.graph(agent.session_id)
-    closure = set(client.provenance(agent.session_id, source).taint_closure)
-    (OUT / "demo-graph.svg").write_text(render(graph.artifacts, graph.checkpoints, closure, "svg", source=source))
-
     print("\n== revocation (B7): restore the checkpoint before tau, replay the suffix")
     [b7] = apply_pending(agent)
+    # Drawn after the revocation: the picture shows the replayed session, which never read the injection.
+    graph = client.graph(agent.session_id)
+    (OUT / "demo-graph.svg").write_text(render(graph.artifacts, graph.checkpoints, set(), "svg"))
     print(json.dumps(msgspec.to_builtins(b7), indent=2, sort_keys=True))
     b7_state = final_state(agent)
 

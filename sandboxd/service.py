@@ -333,8 +333,7 @@ class SandboxService:
             return result
         data = forget.value(result.data) if result.data is not None else None
         rendered = result.data is not None and result.stdout == result_text(result.data)
-        # The rendering is filtered as text too: a target may span the structure it re-creates.
-        stdout = forget.text(result_text(data) if rendered else result.stdout)
+        stdout = forget.across_structure(result_text(data)) if rendered else forget.text(result.stdout)
         return msgspec.structs.replace(result, stdout=stdout, stderr=forget.text(result.stderr), data=data)
 
     def _answer_from_record(self, req: p.CallRequest, record: dict[str, Any]) -> p.CallResult:

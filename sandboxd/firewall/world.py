@@ -232,7 +232,11 @@ class AgentDojoWorld:
         if unknown:
             raise InvalidArguments("world_reset", f"unknown injection vectors {unknown}; the suite has "
                                    f"{', '.join(sorted(defaults))}", "$.injections")
-        env = self.suite.load_and_inject_default_environment(injections)
+        try:
+            env = self.suite.load_and_inject_default_environment(injections)
+        except Exception as exc:  # the suite templates injections into YAML; it refuses what YAML cannot hold
+            raise InvalidArguments("world_reset", f"the {self.name} suite cannot hold these injections: "
+                                   f"{type(exc).__name__}: {exc}", "$.injections") from exc
         if user_task is not None:
             if user_task not in self.suite.user_tasks:
                 raise InvalidArguments("world_reset", f"unknown user task {user_task!r}", "$.user_task")

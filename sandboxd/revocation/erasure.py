@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import urllib.parse
@@ -33,9 +34,6 @@ from sandboxd.revocation.forgetting import ForgetFilter, fingerprints_for, piece
 from sandboxd.revocation.leakscan import LeakReport
 
 log = logging.getLogger("sandboxd")
-
-#: fingerprints only: what forgetting is allowed to keep
-_KEPT_TABLES = frozenset({"forgotten"})
 
 
 def needles_for_forms(forms: list[str]) -> list[bytes]:
@@ -52,10 +50,41 @@ def needles_for_forms(forms: list[str]) -> list[bytes]:
     return [needle for needle in dict.fromkeys(out) if needle]
 
 
-def redacted_id(value: str, salt: bytes) -> str:
-    """A stable stand-in for a key that held a forgotten value: unique per value, says nothing of it."""
-    return "redacted-" + hmac.new(salt, b"sandboxd.redacted-id\x00" + value.encode("utf-8", "surrogatepass"),
-                                  hashlib.sha256).hexdigest()[:20]
+_ID_ALPHABETS = ("0123456789", "ABCDEFGHJKLMNPQRSTUVWXYZ", "abcdefghijkmnpqrstuvwxyz")
+
+
+def redacted_id(value: str, forget: ForgetFilter) -> str:
+    """A stable stand-in for a key that held a forgotten value: unique per value, says nothing of it, and
+    spells no forgotten value either (a one-character target is in any hex digest: one of three
+    alphabets without a common character avoids it)."""
+    digest = int.from_bytes(hmac.new(forget.salt, b"sandboxd.redacted-id\x00" + value.encode("utf-8", "surrogatepass"),
+                                     hashlib.sha256).digest()[:12], "big")
+    for alphabet in _ID_ALPHABETS:
+        number, spelled = digest, []
+        while number:
+            number, digit = divmod(number, len(alphabet))
+            spelled.append(alphabet[digit])
+        candidate = "".join(spelled)
+        if not forget.holds(candidate):
+            return candidate
+    raise AssertionError("no alphabet spells a redacted id without the forgotten values")
+
+
+#: The cells that carry content from tool results, the agent or operators: what erasure filters and scans.
+#: Every other column is structure (ids the daemon mints, states, hashes, positions), which can spell a
+#: short target only by chance (`0` in a hex id) and is never rewritten.
+CONTENT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "calls": ("call_id", "args", "result"),
+    "ledger_calls": ("intent", "args", "result", "simulated", "error"),
+    "ledger_aliases": ("agent_call_id",),
+    "ledger_events": ("note",),
+    "prov_artifacts": ("content", "meta"),
+    "snapshots": ("label",),
+    "revocations": ("target", "pieces", "report", "error"),
+}
+#: Content that is also a key: an id the agent chose (`seed/<name>`). Half an id is neither the id nor
+#: clean, so a key that holds a forgotten value is replaced whole by a digest.
+KEY_COLUMNS = frozenset({("calls", "call_id"), ("ledger_aliases", "agent_call_id")})
 
 
 @dataclass
@@ -65,17 +94,9 @@ class _Column:
 
 
 def _text_columns(conn: sqlite3.Connection) -> dict[str, list[_Column]]:
-    tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
-                                         "AND name NOT LIKE 'sqlite_%'")]
-    out: dict[str, list[_Column]] = {}
-    for table in tables:
-        if table in _KEPT_TABLES:
-            continue
-        columns = [_Column(name=row[1], key=bool(row[5])) for row in conn.execute(f'PRAGMA table_info("{table}")')
-                   if (row[2] or "TEXT").upper() in ("TEXT", "")]
-        if columns:
-            out[table] = columns
-    return out
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    return {table: [_Column(name=c, key=(table, c) in KEY_COLUMNS) for c in columns]
+            for table, columns in CONTENT_COLUMNS.items() if table in tables}
 
 
 Exempt = Callable[[str, str, dict[str, Any]], bool]
@@ -119,6 +140,24 @@ def _cells(conn: sqlite3.Connection, session_id: str | None = None
     return cells
 
 
+_MINTED_CALL_ID = re.compile(r"c-[0-9a-f]{32}")
+
+
+def minted(column: _Column, value: str) -> bool:
+    """A call id the daemon minted (random): it can spell a short target only by chance, and is no content."""
+    return column.key and _MINTED_CALL_ID.fullmatch(value) is not None
+
+
+def distinctive(needle: bytes) -> bool:
+    """Whether finding these bytes in a binary store (a database page, a disk image, a log) means anything:
+    a needle of a few bytes is in any such file by chance (`:` in every JSON record)."""
+    return len(needle) >= MIN_NEEDLE_BYTES
+
+
+#: shorter byte forms are not searched in binary stores (see `distinctive`); their records are read by meaning
+MIN_NEEDLE_BYTES = 8
+
+
 def scrub_database(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFilter, session_id: str,
                    exempt: Exempt) -> int:
     """Filter every text cell of the session's rows that holds a forgotten value (keys replaced by a digest)
@@ -128,9 +167,9 @@ def scrub_database(conn: sqlite3.Connection, lock: threading.RLock, forget: Forg
         conn.execute("BEGIN IMMEDIATE")
         try:
             for table, column, rowid, value, row in _cells(conn, session_id):
-                if exempt(table, column.name, row) or not forget.holds(value):
+                if exempt(table, column.name, row) or minted(column, value) or not forget.holds_record(value):
                     continue
-                clean = redacted_id(value, forget.salt) if column.key else forget.json_text(value)
+                clean = redacted_id(value, forget) if column.key else forget.json_text(value)
                 conn.execute(f'UPDATE "{table}" SET "{column.name}" = ? WHERE rowid = ?', [clean, rowid])
                 changed += 1
         except BaseException:
@@ -171,7 +210,7 @@ def scrub_log(path: Path, forget: ForgetFilter) -> int:
 
 
 def _clean_line(line: str, forget: ForgetFilter) -> str:
-    if not forget.holds(line):
+    if not forget.holds_record(line):
         return line
     body = line.rstrip("\n")
     try:
@@ -187,6 +226,8 @@ class LeakScan:
 
     locations_checked: int = 0
     found: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """What was not searched, and why."""
 
     def add(self, location: str, reason: str = "") -> None:
         self.found.append((location, reason))
@@ -212,7 +253,7 @@ def scan_cells(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFi
         cells = _cells(conn, None if everyone else session_id)
     for table, column, rowid, value, row in cells:
         scan.locations_checked += 1
-        if forget.holds(value):
+        if not minted(column, value) and forget.holds_record(value):
             owner = row.get("session_id")
             reason = AGENT_WROTE_IT if exempt(table, column.name, row) else "" if owner in (None, session_id) else \
                 f"another session ({owner}) holds it in its own record: not this session's to forget"

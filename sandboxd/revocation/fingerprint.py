@@ -331,12 +331,13 @@ def decode_percent(text: str) -> str:
 
 
 def _anchored_starts(text: str, length: int, anchor: str) -> list[int]:
-    """Where an anchored window of `length` may start: at the text's start or end, whitespace aside."""
+    """Where an anchored window of `length` may start: at the text's very start or end, or there once the
+    text's leading or trailing whitespace is set aside."""
     if anchor == "start":
-        start = len(text) - len(text.lstrip())
-        return [start] if start + length <= len(text) else []
-    end = len(text.rstrip())
-    return [end - length] if end - length >= 0 else []
+        starts = {0, len(text) - len(text.lstrip())}
+    else:
+        starts = {len(text) - length, len(text.rstrip()) - length}
+    return sorted(s for s in starts if 0 <= s and s + length <= len(text))
 
 
 def _candidates(text: str, length: int, base: int, wanted: Iterable[int], anchor: str = "") -> list[tuple[int, int]]:

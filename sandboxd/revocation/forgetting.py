@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from sandboxd.revocation.detector import InjectionDetector
 from sandboxd.revocation.fingerprint import (
     FingerprintSet,
     RevokedFingerprint,
@@ -84,6 +85,15 @@ def _leaves(value: Any, depth: int, key: str | None = None) -> list[str]:
     return []
 
 
+def detected_targets(detector: InjectionDetector, content: str) -> list[str]:
+    """What `detector` flags in an observation, read decoded (each string of a structured result on its own),
+    so a finding is text the agent read and never carries serialization syntax with it."""
+    found = []
+    for text in payload_texts(content):
+        found += [finding.target(text) for finding in detector.scan(text)]
+    return [target for target in dict.fromkeys(found) if target.strip()]
+
+
 def target_forms(target: str) -> list[str]:
     """Every form of a revoked target to forget: as given, decoded (JSON escapes, percent-encoding), and
     the strings it carries when it is a structured observation. Empty and all-space forms are dropped."""
@@ -117,6 +127,24 @@ def piece_fingerprints(pieces: list[str], salt: bytes) -> list[RevokedFingerprin
     return out
 
 
+_SYNTAX = frozenset('"{}[],:')
+
+
+def _cut(text: str, spans: list[tuple[int, int]]) -> str:
+    kept, position = [], 0
+    for start, end in sorted(spans):
+        if start >= position:
+            kept.append(text[position:start])
+        position = max(position, end)
+    return "".join(kept) + text[position:]
+
+
+def _field_name(key: Any) -> bool:
+    """A key that names a field of a result structure (`body`, `content_type`): structure, kept as it is,
+    or a one-letter target would rename every field. Other keys (content used as a key) are filtered."""
+    return isinstance(key, str) and key.isascii() and key.isidentifier() and key == key.lower() and len(key) <= 40
+
+
 class ForgetFilter:
     """A session's forgotten values as salted fingerprints, applied to texts and to whole structures."""
 
@@ -145,7 +173,7 @@ class ForgetFilter:
         if isinstance(value, (list, tuple)):
             return type(value)(self.value(item) for item in value)
         if isinstance(value, dict):
-            return {self.value(key): self.value(item) for key, item in value.items()}
+            return {key if _field_name(key) else self.value(key): self.value(item) for key, item in value.items()}
         if isinstance(value, msgspec.Struct):
             return msgspec.structs.replace(value, **{
                 name: self.value(getattr(value, name)) for name in value.__struct_fields__})
@@ -158,10 +186,22 @@ class ForgetFilter:
         if isinstance(value, (list, tuple)):
             return any(self.holds_value(item) for item in value)
         if isinstance(value, dict):
-            return any(self.holds_value(k) or self.holds_value(v) for k, v in value.items())
+            return any((not _field_name(k) and self.holds_value(k)) or self.holds_value(v) for k, v in value.items())
         if isinstance(value, msgspec.Struct):
             return any(self.holds_value(getattr(value, name)) for name in value.__struct_fields__)
         return False
+
+    def holds_record(self, text: str) -> bool:
+        """Whether a stored record says a forgotten value: a JSON record by its values (its syntax, numbers
+        and field names are structure), any other text as text."""
+        if not self.fingerprints or not text:
+            return False
+        if text.lstrip()[:1] in ("{", "["):
+            try:
+                return self.holds_value(json.loads(text))
+            except ValueError:
+                pass
+        return self.holds(text)
 
     def rendered(self, text: str, render: Callable[[Any], str]) -> str:
         """An observation filtered as the result it was rendered from would be: when `text` is `render` of
@@ -175,8 +215,20 @@ class ForgetFilter:
             return self.text(text)
         if not isinstance(value, dict) or render(value) != text:
             return self.text(text)
-        # The text again too: a target may span the structure (`{"to": ["eve@...`) that rendering re-creates.
-        return self.text(render(self.value(value)))
+        return self.across_structure(render(self.value(value)))
+
+    def across_structure(self, rendered: str) -> str:
+        """A rendering of clean data without the forgotten values that span its syntax (`{"to": ["eve@...`).
+
+        Its strings are clean already; a match that stays inside one token is inside a number, a keyword
+        or a field name (`0` in `200`), which is structure, not the value, and is left alone."""
+        text = rendered
+        while True:
+            spans = [(start, end) for start, end, _ in self._set.occurrences(text)
+                     if any(ch in _SYNTAX for ch in text[start:end])]
+            if not spans:
+                return text
+            text = _cut(text, spans)
 
     def json_text(self, text: str | None) -> str | None:
         """A stored JSON document filtered value by value (its serialization untouched where clean)."""

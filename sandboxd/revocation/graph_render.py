@@ -12,6 +12,7 @@ is escaped for its format and stripped of characters XML 1.0 cannot carry.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable
@@ -41,9 +42,15 @@ def render(
     fmt: str,
     *,
     source: str | None = None,
+    redact: set[str] | None = None,
 ) -> str:
-    """The provenance graph as json, dot or svg text; `source` defaults to the closure's roots."""
+    """The provenance graph as json, dot or svg text; `source` defaults to the closure's roots.
+
+    Artifacts in `redact` are drawn by id, type and a digest of their text, never the text: a picture
+    of what a revocation will take back must not carry what it takes back."""
     sources = {source} if source is not None else _roots(artifacts, closure)
+    if redact:
+        artifacts = [redacted(a) if a.artifact_id in redact else a for a in artifacts]
     if fmt == "json":
         return _render_json(artifacts, checkpoints, closure, sources)
     if fmt == "dot":
@@ -51,6 +58,13 @@ def render(
     if fmt == "svg":
         return _render_svg(artifacts, checkpoints, closure, sources)
     raise ValueError(f"unknown graph format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def redacted(artifact: Artifact) -> Artifact:
+    """The artifact with its text (and meta) replaced by its length and a digest of it."""
+    digest = hashlib.sha256(artifact.content.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    note = f"[redacted: {len(artifact.content)} chars, sha256 {digest}]"
+    return msgspec.structs.replace(artifact, content=note, meta={})
 
 
 def parse_json(text: str) -> tuple[list[Artifact], list[CheckpointRecord], set[str]]:

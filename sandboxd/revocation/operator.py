@@ -34,16 +34,24 @@ from sandboxd.provenance.store import ProvenanceStore
 from sandboxd.revocation.detector import InjectionDetector
 from sandboxd.revocation.erasure import (
     AGENT_WROTE_IT,
+    MIN_NEEDLE_BYTES,
     Exempt,
     LeakScan,
     byte_needles,
+    distinctive,
     scan_cells,
     scrub_database,
     scrub_log,
     target_filter,
 )
 from sandboxd.revocation.fingerprint import RevokedFingerprint
-from sandboxd.revocation.forgetting import ForgetFilter, fingerprints_for, payload_texts, piece_fingerprints
+from sandboxd.revocation.forgetting import (
+    ForgetFilter,
+    detected_targets,
+    fingerprints_for,
+    payload_texts,
+    piece_fingerprints,
+)
 from sandboxd.revocation.leakscan import scan_paths
 
 if TYPE_CHECKING:
@@ -199,11 +207,9 @@ class RevocationOperator:
 
         The detector reads what the observation says, decoded (the strings of a structured result), so a
         finding is text the agent read and never carries serialization syntax with it."""
-        for text in payload_texts(artifact.content):
-            for finding in self.detector.scan(text):
-                found = finding.target(text)
-                if found.strip() and not self._already_pending(session_id, found):
-                    self.raise_event(session_id, artifact.artifact_id, found, f"detector:{self.detector.name}")
+        for found in detected_targets(self.detector, artifact.content):
+            if not self._already_pending(session_id, found):
+                self.raise_event(session_id, artifact.artifact_id, found, f"detector:{self.detector.name}")
 
     def flagged(self, session_id: str) -> list[tuple[str, str]]:
         """(source, target) of the session's revocations not yet committed: what flow control blocks."""
@@ -298,7 +304,9 @@ class RevocationOperator:
         # This target's forms only: the session's earlier revocations were scrubbed when they committed.
         forget = target_filter(target, pieces, self.salt)
         scrub_database(self.state.conn, self.state.lock, forget, sid, self._replayed_by_agent(row))
-        scrub_log(self.service.config.state_path / "sandboxd.log", forget)
+        # A log line is prose: a value too short to be told from it (see `distinctive`) is left in it.
+        scrub_log(self.service.config.state_path / "sandboxd.log",
+                  ForgetFilter([fp for fp in forget.fingerprints if fp.length >= MIN_NEEDLE_BYTES], self.salt))
         self.state.purge()
         scan = self._leak_scan(sid, target, pieces, engine_context, row)
         if any(where.startswith(("state.db", "sandboxd.log")) for where in scan.unexplained):
@@ -427,8 +435,10 @@ class RevocationOperator:
                 return False
             if table == "prov_artifacts":
                 return column in ("content", "meta") and cells.get("type") in AGENT_TYPES
-            if table in ("calls", "ledger_calls"):
-                return column in ("args", "intent") and (cells.get("created_at") or 0.0) > since
+            if table == "calls":  # the old suffix's calls are deleted by now: the later ones are the replay's
+                return column == "args" and (cells.get("created_at") or 0.0) > since
+            if table == "ledger_calls":  # the old suffix's effects stay (orphaned, dropped): not the agent's now
+                return column in ("args", "intent") and cells.get("branch") == row["branch"]
             return False
 
         return exempt
@@ -447,14 +457,21 @@ class RevocationOperator:
         state = self.service.config.state_path
         exempt = self._replayed_by_agent(row)
         scan = scan_cells(self.state.conn, self.state.lock, wanted, sid, exempt)
-        shared = [path for path in state.iterdir() if path.name not in ("snapshots", WORLDS)]
-        db_hits = scan_paths(needles, shared).hits
+        # The daemon's own code (bin), sockets (ctl) and salt hold no data; the world is the outside world.
+        shared = [path for path in state.iterdir() if path.name not in ("snapshots", "bin", "ctl", "forget.salt",
+                                                                         WORLDS)]
+        binary = [n for n in needles if distinctive(n)]
+        if len(binary) < len(needles):
+            scan.skipped.append(f"byte forms under {MIN_NEEDLE_BYTES} bytes were not searched in the database pages, "
+                                "the log and the disk image: so short a value occurs in such files by chance; the "
+                                "records holding content were read by meaning instead")
+        db_hits = scan_paths(binary, shared).hits if binary else []
         if any(Path(h.location).name.startswith("state.db") for h in db_hits) and not scan.found:
             # Bytes in the database that no cell of this session explains: another session's rows, or pages
             # a vacuum has not rewritten yet. Only now is every session's record read to tell which.
             others = scan_cells(self.state.conn, self.state.lock, wanted, sid, exempt, everyone=True)
             scan.found += [(where, reason) for where, reason in others.found if reason.startswith("another")]
-        explained = [reason for _, reason in scan.found if reason]
+        explained = [reason for where, reason in scan.found if reason and where.startswith("state.db")]
         db_reason = explained[0] if explained and not scan.unexplained else ""
         for hit in db_hits:
             name = Path(hit.location).relative_to(state).as_posix()
@@ -464,8 +481,8 @@ class RevocationOperator:
         live = scan_paths(needles, files)
         scan.extend(live, "sandbox:", "the sandbox's files as the replay left them, snapshot layers kept for "
                     "checkpoints before tau included: the counterfactual world holds them too", str(state) + "/")
-        for image in (path for path in self.service.store.paths(sid) if path.is_file()):
-            raw = scan_paths(needles, [image])
+        for image in (path for path in self.service.store.paths(sid) if path.is_file() and binary):
+            raw = scan_paths(binary, [image])
             scan.extend(raw, "sandbox:image:", "blocks of the disk image holding the sandbox files above"
                         if live.hits else "", str(state) + "/")
         container = self.service.containers.container(sid)
@@ -478,9 +495,25 @@ class RevocationOperator:
                         "counterfactual world holds it too", str(root))
         scan.locations_checked += 1
         if engine_context and wanted.holds(engine_context):
-            wrote = any(reason == AGENT_WROTE_IT for _, reason in scan.found)
-            scan.add("agent:engine-context", AGENT_WROTE_IT if wrote else "")
+            scan.add("agent:engine-context", self._context_reason(sid, wanted))
         return scan
+
+    def _context_reason(self, sid: str, wanted: ForgetFilter) -> str:
+        """Why the agent's context may still spell the target, read block by block from the session's record:
+        empty (a leak) when a block the agent read says it."""
+        reasons = []
+        for artifact in self.provenance.artifacts(sid):
+            if artifact.token_span is None:
+                continue
+            if artifact.type in p.OBSERVATION_TYPES and wanted.holds_record(artifact.content):
+                return ""
+            if artifact.type == "system" and wanted.holds(artifact.content):
+                reasons.append("the system prompt spells it: it was in the context before anything was observed, "
+                               "in the counterfactual world too")
+            elif artifact.type in AGENT_TYPES and wanted.holds(artifact.content):
+                reasons.append(AGENT_WROTE_IT)
+        return reasons[0] if reasons else ("only the structure of what the agent read spells it (a field name, a "
+                                           "role marker), not anything it read")
 
     def _report(self, row: dict[str, Any], req: p.CommitRevocationRequest, splice: p.CheckpointRecord,
                 effects: Any, scan: LeakScan) -> p.RevocationReport:
@@ -505,7 +538,8 @@ class RevocationOperator:
         leak = {"locations_checked": scan.locations_checked, "hits": len(leaks), "where": leaks,
                 "counterfactual_hits": len(counterfactual), "counterfactual_where": counterfactual,
                 "environment_hits": len(environment), "environment_where": environment,
-                "other_sessions": sum(1 for _, r in found if r.startswith("another session"))}
+                "other_sessions": sum(1 for _, r in found if r.startswith("another session")),
+                "skipped": scan.skipped}
         return p.RevocationReport(
             revocation_id=row["revocation_id"], session=row["session_id"], source=row["source"], tau=row["tau"],
             T=req.final_step, T_original=row["T"], taint_closure=json.loads(row["closure"]),
