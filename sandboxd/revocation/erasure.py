@@ -99,12 +99,15 @@ def _text_columns(conn: sqlite3.Connection) -> dict[str, list[_Column]]:
             for table, columns in CONTENT_COLUMNS.items() if table in tables}
 
 
-Exempt = Callable[[str, str, dict[str, Any]], bool]
-"""(table, column, row) -> whether the cell is the agent's own writing in the replayed branch, kept."""
+Exempt = Callable[[str, str, dict[str, Any]], str]
+"""(table, column, row) -> why the cell keeps what it says (the agent's own writing in the replay, what an
+effect sent to the outside world), or "" when it must be scrubbed."""
 
 #: the reason an exempt cell may keep a forgotten value
 AGENT_WROTE_IT = ("written by the agent itself in the replay, from a context that never held it: the "
                   "counterfactual agent writes it too")
+SENT_OUT = ("what an external effect sent to the outside world: the far side holds it anyway, and the ledger keeps "
+            "it so the effect can be compensated")
 
 
 def _session_rows(conn: sqlite3.Connection, table: str, session_id: str | None) -> tuple[str, list[str]]:
@@ -255,8 +258,8 @@ def scan_cells(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFi
         scan.locations_checked += 1
         if not minted(column, value) and forget.holds_record(value):
             owner = row.get("session_id")
-            reason = AGENT_WROTE_IT if exempt(table, column.name, row) else "" if owner in (None, session_id) else \
-                f"another session ({owner}) holds it in its own record: not this session's to forget"
+            reason = exempt(table, column.name, row) or ("" if owner in (None, session_id) else
+                      f"another session ({owner}) holds it in its own record: not this session's to forget")
             scan.add(f"state.db:{table}.{column.name}[{rowid}]", reason)
     return scan
 

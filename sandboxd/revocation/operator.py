@@ -35,6 +35,7 @@ from sandboxd.revocation.detector import InjectionDetector
 from sandboxd.revocation.erasure import (
     AGENT_WROTE_IT,
     MIN_NEEDLE_BYTES,
+    SENT_OUT,
     Exempt,
     LeakScan,
     byte_needles,
@@ -61,6 +62,8 @@ log = logging.getLogger("sandboxd")
 
 #: artifacts the model writes (as opposed to what it reads)
 AGENT_TYPES = ("model_turn", "plan", "tool_call", "reply", "summary")
+#: ledger states of an effect that reached (or may have reached) the outside world
+SENT_STATES = ("fired", "released", "done", "orphaned", "unknown")
 
 
 def load_salt(state_dir: Path) -> bytes:
@@ -303,7 +306,7 @@ class RevocationOperator:
         self._settle_other_revocations(sid, row["revocation_id"])
         # This target's forms only: the session's earlier revocations were scrubbed when they committed.
         forget = target_filter(target, pieces, self.salt)
-        scrub_database(self.state.conn, self.state.lock, forget, sid, self._replayed_by_agent(row))
+        scrub_database(self.state.conn, self.state.lock, forget, sid, self._kept(row))
         # A log line is prose: a value too short to be told from it (see `distinctive`) is left in it.
         scrub_log(self.service.config.state_path / "sandboxd.log",
                   ForgetFilter([fp for fp in forget.fingerprints if fp.length >= MIN_NEEDLE_BYTES], self.salt))
@@ -422,26 +425,31 @@ class RevocationOperator:
             self.state.conn.execute("DELETE FROM calls WHERE session_id = ? AND branch = ?",
                                     [row["session_id"], row["branch"]])
 
-    def _replayed_by_agent(self, row: dict[str, Any]) -> Exempt:
-        """Cells the agent wrote itself after the splice (its turns, plans, replies, summaries and the
-        arguments of its calls): the replay decoded them from a context without the target, so if they
-        hold it, the counterfactual agent wrote it too. Rewriting them would make the record something no
-        run of the agent produced; the scan reports them instead."""
+    def _kept(self, row: dict[str, Any]) -> Exempt:
+        """Cells that keep what they say, and why.
+
+        What the agent wrote itself after the splice (its turns, plans, replies, summaries and the arguments of
+        its calls): the replay decoded them from a context without the target, so if they hold it, the
+        counterfactual agent wrote it too; rewriting them would make the record something no run of the agent
+        produced. What an effect already sent (a fired call's arguments): the far side has it, and an operator
+        needs it to compensate the effect. The scan reports both instead of hiding them."""
         sid = row["session_id"]
         since = self._checkpoint(sid, row["checkpoint_id"]).created_at
 
-        def exempt(table: str, column: str, cells: dict[str, Any]) -> bool:
+        def kept(table: str, column: str, cells: dict[str, Any]) -> str:
             if cells.get("session_id") != sid:
-                return False
+                return ""
             if table == "prov_artifacts":
-                return column in ("content", "meta") and cells.get("type") in AGENT_TYPES
+                return AGENT_WROTE_IT if column in ("content", "meta") and cells.get("type") in AGENT_TYPES else ""
             if table == "calls":  # the old suffix's calls are deleted by now: the later ones are the replay's
-                return column == "args" and (cells.get("created_at") or 0.0) > since
-            if table == "ledger_calls":  # the old suffix's effects stay (orphaned, dropped): not the agent's now
-                return column in ("args", "intent") and cells.get("branch") == row["branch"]
-            return False
+                return AGENT_WROTE_IT if column == "args" and (cells.get("created_at") or 0.0) > since else ""
+            if table == "ledger_calls" and column in ("args", "intent"):
+                if cells.get("state") in SENT_STATES:
+                    return SENT_OUT
+                return AGENT_WROTE_IT if cells.get("branch") == row["branch"] else ""
+            return ""
 
-        return exempt
+        return kept
 
     def _leak_scan(self, sid: str, target: str, pieces: list[str], engine_context: str,
                    row: dict[str, Any]) -> LeakScan:
@@ -455,7 +463,7 @@ class RevocationOperator:
         wanted = target_filter(target, pieces, self.salt)
         needles = byte_needles(target, pieces)
         state = self.service.config.state_path
-        exempt = self._replayed_by_agent(row)
+        exempt = self._kept(row)
         scan = scan_cells(self.state.conn, self.state.lock, wanted, sid, exempt)
         # The daemon's own code (bin), sockets (ctl) and salt hold no data; the world is the outside world.
         shared = [path for path in state.iterdir() if path.name not in ("snapshots", "bin", "ctl", "forget.salt",
@@ -534,10 +542,12 @@ class RevocationOperator:
                               "held or was sent: the source of an injection keeps it, as a web page would")
         environment = [w for w, r in found if w.startswith(("sandbox:", "container:")) and r]
         counterfactual = environment + [w for w, r in found if r == AGENT_WROTE_IT]
+        sent = [w for w, r in found if r == SENT_OUT]
         leaks = [w for w, r in found if not r]
         leak = {"locations_checked": scan.locations_checked, "hits": len(leaks), "where": leaks,
                 "counterfactual_hits": len(counterfactual), "counterfactual_where": counterfactual,
                 "environment_hits": len(environment), "environment_where": environment,
+                "sent_hits": len(sent), "sent_where": sent,
                 "other_sessions": sum(1 for _, r in found if r.startswith("another session")),
                 "skipped": scan.skipped}
         return p.RevocationReport(
