@@ -72,7 +72,7 @@ _EXECUTOR_ERRORS: dict[str, Callable[[str, dict[str, Any]], SandboxdError]] = {
     "path_escape": lambda msg, d: PathEscape(str(d.get("path", "")), str(d.get("reason", msg))),
     "not_found": lambda msg, d: NotFound(msg, **d),
     "invalid_arguments": lambda msg, d: InvalidArguments(str(d.get("tool", "")), msg),
-    "resource_limit": lambda msg, d: ResourceLimit(str(d.get("call_id", "")), "disk", msg, **d),
+    "resource_limit": lambda msg, d: ResourceLimit(str(d.pop("call_id", "")), str(d.pop("limit", "disk")), msg, **d),
 }
 
 

@@ -322,16 +322,11 @@ class RevocationOperator:
         hits = [f"{h.location}@{h.offset}" for h in report.hits if not h.location.startswith(environment)]
         env_hits = [f"{h.location}@{h.offset}" for h in report.hits if h.location.startswith(environment)]
         checked = report.locations_checked
-        container = self.service.containers.container(sid)
-        pid = container.attrs.get("State", {}).get("Pid") if container is not None else None
-        if pid:
-            # The workspace and the control dir are host binds, scanned above, and the root filesystem is
-            # read-only: what only the container holds is its tmpfs, read here through the container's
-            # root as the host sees it, without a round of Docker API calls.
-            root = Path(f"/proc/{pid}/root")
-            inside = scan_paths(needles, [root / "tmp", root / "dev" / "shm"])
-            checked += inside.locations_checked
-            hits += [f"container:{h.location.removeprefix(str(root))}@{h.offset}" for h in inside.hits]
+        # The workspace and the control dir are host binds, scanned above, and the root filesystem is
+        # read-only: what only the container holds is its scratch tmpfs (read as its runtime allows).
+        inside = self.service.containers.scan_scratch(sid, needles)
+        checked += inside.locations_checked
+        hits += [f"container:{h.location}@{h.offset}" for h in inside.hits]
         # The agent's engine cache and working memory, as the context text it holds after the replay.
         checked += 1
         if any(n.decode("utf-8", "ignore") in req.engine_context for n in needles[:1]):

@@ -213,7 +213,7 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
     except RuntimeError as exc:  # no pid left for a thread: the sandbox is at its pids limit
         _kill_group(proc)
         proc.wait()
-        raise ToolFailure("resource_limit", f"could not start the call: {exc}") from exc
+        raise ToolFailure("resource_limit", f"could not start the call: {exc}", limit="pids") from exc
     out, err, out_cut, err_cut = _read_capped(proc, cap, started + timeout)
     timed_out = proc.poll() is None
     # Kill the whole group either way: a call leaves no process behind, not even a backgrounded one.
@@ -361,8 +361,13 @@ def serve(socket_path: str) -> None:
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(socket_path)
-    os.chmod(socket_path, 0o600)
+    # Created 0600 through the umask rather than a chmod afterwards: under gVisor the socket is a host
+    # socket made by its file proxy (--host-uds=create), which refuses a chmod of it.
+    previous = os.umask(0o177)
+    try:
+        server.bind(socket_path)
+    finally:
+        os.umask(previous)
     server.listen(4)
     while True:
         conn, _ = server.accept()
