@@ -118,6 +118,7 @@ class ContainerManager:
         limits = self.config.sandbox
         ctl = self.ctl_root / session_id
         ctl.mkdir(parents=True, exist_ok=True)
+        self._clear_socket(session_id)
         os.chown(ctl, *self.owner())
         os.chmod(ctl, 0o700)
         mounts = [
@@ -139,11 +140,11 @@ class ContainerManager:
                 read_only=True,
                 tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"},
                 mounts=mounts,
-                pids_limit=limits.pids,
+                pids_limit=self._host_pids_limit(),
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(limits.cpus * 1e9),
-                ulimits=[Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile)],
+                ulimits=self._ulimits(),
                 init=True,
                 working_dir="/",
                 environment={"HOME": "/tmp"},
@@ -155,6 +156,43 @@ class ContainerManager:
             raise SandboxUnavailable(f"could not create the sandbox: {exc.explanation or exc}") from exc
         self._wait_ready(session_id, container)
         return str(container.id)
+
+    def _clear_socket(self, session_id: str) -> None:
+        # A socket left by an executor that is gone: under gVisor it is a host socket file, which a new
+        # executor can neither see through the file proxy nor bind over.
+        (self.ctl_root / session_id / "exec.sock").unlink(missing_ok=True)
+
+    # Limits under gVisor. The sandbox is one host process tree (gVisor's kernel and, on its ptrace
+    # platform, a stub process per address space with a thread per tracer: a 128-process shell fork
+    # bomb peaked at 2,420 host tasks). The host pids cgroup counts those, and gVisor's kernel dies when
+    # it cannot make a thread; so the pids limit is enforced inside, as RLIMIT_NPROC, which gVisor counts
+    # per sandbox (under runc it would count the uid's processes across every container and the host).
+    # The host cgroup stays as a ceiling. Memory is the host cgroup's for both runtimes: under gVisor
+    # its OOM kill takes the whole sandbox, which `oom_killed` reports and `ensure_running` restarts.
+    _RUNSC_HOST_TASKS_PER_PID = 32
+
+    def _host_pids_limit(self) -> int:
+        pids = self.config.sandbox.pids
+        return pids * self._RUNSC_HOST_TASKS_PER_PID if self.runtime == "runsc" else pids
+
+    def _ulimits(self) -> list[Ulimit]:
+        limits = self.config.sandbox
+        ulimits = [Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile)]
+        if self.runtime == "runsc":
+            ulimits.append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
+        return ulimits
+
+    def oom_killed(self, session_id: str) -> bool:
+        """Whether the session's container was stopped by the OOM killer (a whole gVisor sandbox is)."""
+        container = self.container(session_id)
+        if container is None or self.runtime != "runsc":
+            # Under runc the OOM killer takes the tool (its oom_score_adj is 1000), which the executor reports.
+            return bool(container is not None and container.attrs.get("State", {}).get("OOMKilled"))
+        deadline = time.monotonic() + 10.0  # only on a broken channel; a loaded engine takes its time
+        while container.status == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)  # the engine marks the container exited a moment after its sandbox died
+            container.reload()
+        return bool(container.attrs.get("State", {}).get("OOMKilled"))
 
     def _security_options(self) -> list[str]:
         if self.runtime == "runsc":
@@ -193,6 +231,7 @@ class ContainerManager:
             return False
         if container.status != "running":
             self.channel(session_id).close()
+            self._clear_socket(session_id)
             container.start()
             self._wait_ready(session_id, container)
         elif not self._answers(session_id):
@@ -200,7 +239,9 @@ class ContainerManager:
             # call whose daemon was killed (it would hold the session until that call's timeout).
             # A restart kills the call and everything it started; the workspace is a bind mount.
             self.channel(session_id).close()
-            container.restart(timeout=0)
+            container.stop(timeout=0)
+            self._clear_socket(session_id)
+            container.start()
             self._wait_ready(session_id, container)
         return True
 

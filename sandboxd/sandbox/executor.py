@@ -134,12 +134,16 @@ def _kill_leftovers(wait_s: float = 2.0) -> None:
     """SIGKILL every process we may signal (all of the sandbox user's but this one and init) and wait
     until they are gone: a killed process holds its pid until init reaps it, and the next call must be
     able to fork under the pids limit."""
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + wait_s
-    while _leftovers() and time.monotonic() < deadline:
+    while True:
+        # Again and again: a fork bomb forks anew as its first processes die, and killing is slow under
+        # gVisor, so one round leaves it running with the next call.
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not _leftovers() or time.monotonic() > deadline:
+            return
         time.sleep(0.002)
 
 
