@@ -11,6 +11,7 @@ calls at once and can reap every stray process between calls.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import json
 import os
@@ -389,6 +390,9 @@ def main() -> None:
     args = parser.parse_args()
     global _serving_in_sandbox
     _serving_in_sandbox = True
+    # Not dumpable: a tool runs as the same user and could otherwise ptrace the executor, and with it
+    # forge replies or survive the reaping between calls. A tool's own exec makes it dumpable again.
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve(args.socket)
 
