@@ -367,6 +367,9 @@ def _tmpfs_mounts(container: Any) -> list[str]:
     attrs = container.attrs
     mounts = list((attrs.get("HostConfig") or {}).get("Tmpfs") or {})
     mounts += [m["Destination"] for m in attrs.get("Mounts") or [] if m.get("Type") == "tmpfs"]
+    if (attrs.get("HostConfig") or {}).get("Runtime") == "runsc":
+        # gVisor mounts a tmpfs of its own kernel at /tmp when the container names none.
+        mounts += ["/tmp", "/dev/shm"]
     return list(dict.fromkeys(mounts))
 
 
