@@ -5,7 +5,8 @@ round by round, so the machine's noise falls on both alike. Measured, in ms:
 
 - session open: `open_session` to its answer (container created, executor answering), then closed;
 - trivial call: a `shell` call of `true` (a fork and exec in the sandbox) and a `read_file`
-  (no process at all: the executor's own file access, through gVisor's file proxy under runsc);
+  (no process at all: the executor's own file access, through gVisor's file proxy under runsc); and
+  a heavier one, a shell loop of 100 `/bin/true` (what gVisor's ptrace platform makes dearest);
 - snapshot and restore on the 1,000-file / 50 MB workspace of bench_snapshots (each round changes a
   file first), as the daemon times them and as the client sees them (which adds quiescing the sandbox);
 - a revocation: the demo's finance session run by the scripted policy, then its detector-raised
@@ -35,6 +36,8 @@ from sandboxd.client import Client
 from sandboxd.config import Runtime
 
 RUNTIMES: tuple[Runtime, ...] = ("runc", "runsc")
+EXECS = "for i in $(seq 100); do /bin/true; done"
+"""A fork-and-exec-heavy tool: what gVisor's ptrace platform makes dearest."""
 Results = dict[str, dict[str, list[float]]]
 
 
@@ -58,6 +61,8 @@ def sessions_and_calls(clients: dict[str, Client], rounds: int, results: Results
                 timed(lambda c=client, s=sessions[rt]: c.call(s, "shell", {"command": "true"})))
             results[rt]["call: read_file"].append(
                 timed(lambda c=client, s=sessions[rt]: c.call(s, "read_file", {"path": "hello.txt"})))
+            results[rt]["call: 100 execs"].append(
+                timed(lambda c=client, s=sessions[rt]: c.call(s, "shell", {"command": EXECS})))
     for rt, client in clients.items():
         client.close_session(sessions[rt])
 
@@ -110,8 +115,8 @@ def main() -> None:
     args = parser.parse_args()
     results: Results = {rt: {} for rt in RUNTIMES}
     for per_runtime in results.values():
-        for op in ("session open", "call: shell true", "call: read_file", "snapshot", "snapshot (client)",
-                   "restore", "restore (client)", "revocation", "revocation (client)"):
+        for op in ("session open", "call: shell true", "call: read_file", "call: 100 execs", "snapshot",
+                   "snapshot (client)", "restore", "restore (client)", "revocation", "revocation (client)"):
             per_runtime[op] = []
     with ExitStack() as stack:
         mail = MailSink()
