@@ -187,7 +187,6 @@ def test_kill_during_a_long_call(crashable: DaemonProcess, engine: docker.Docker
 # (b) snapshots -------------------------------------------------------------------------------------
 
 
-@both_runtimes
 def test_kill_while_taking_snapshots(crashable: DaemonProcess) -> None:
     daemon = crashable
     rng = random.Random(SEED)
@@ -254,7 +253,6 @@ def test_kill_while_taking_snapshots(crashable: DaemonProcess) -> None:
 # (c) a restore ---------------------------------------------------------------------------------
 
 
-@both_runtimes
 def test_kill_during_a_restore(crashable: DaemonProcess) -> None:
     daemon = crashable
     rng = random.Random(SEED + 1)

@@ -194,7 +194,6 @@ def test_cli_revoke_and_graph(worlds: tuple[World, World], web: Web, tmp_path: P
     assert status["error"] == "not_found"
 
 
-@both_runtimes
 def test_a_replay_cut_by_a_crash_rolls_back_and_can_be_taken_again(worlds: tuple[World, World], web: Web) -> None:
     live, _ = worlds
     agent = run_session(live.client, finance(web.url("/vendors")), WORKSPACE)
