@@ -1,5 +1,6 @@
 # The two commands: `make demo` and `make test`. Both set up everything they need on a fresh
-# Debian machine (as root): a virtualenv, a Docker engine, the offline-built tool image.
+# Debian machine (as root): a virtualenv, a Docker engine with gVisor's runsc registered, the
+# offline-built tool image.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -23,6 +24,7 @@ $(STAMP): pyproject.toml
 
 engine:
 	bash docker/ensure-engine.sh
+	bash docker/ensure-runsc.sh
 
 image: engine
 	bash docker/build-image.sh

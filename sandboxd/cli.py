@@ -41,10 +41,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     try:
         config = load_config(args.config, state_dir=args.state_dir, endpoint=args.endpoint, image=args.image,
-                             snapshot_backend=args.snapshot_backend)
+                             snapshot_backend=args.snapshot_backend, runtime=args.runtime)
     except ValueError as exc:  # KeyFileError included: say which file, not a traceback
         raise SystemExit(f"sandboxd serve: {exc}") from exc
-    run(config, verbose=args.verbose)
+    try:
+        run(config, verbose=args.verbose)
+    except SandboxdError as exc:  # an engine that cannot run the sandboxes as configured
+        raise SystemExit(f"sandboxd serve: {exc}") from exc
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -200,6 +203,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--endpoint")
     serve.add_argument("--image")
     serve.add_argument("--snapshot-backend", choices=["overlay", "copy"])
+    serve.add_argument("--runtime", choices=["runc", "runsc"],
+                       help="OCI runtime of the sandboxes: runc (default) or runsc (gVisor)")
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=cmd_serve, client=False)
 

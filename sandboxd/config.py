@@ -18,7 +18,10 @@ from sandboxd.firewall.config import FirewallConfig
 from sandboxd.metrics import parse_metrics_address
 from sandboxd.protocol import DEFAULT_MAX_FRAME
 
-DEFAULT_IMAGE = "sandboxd-tool:bookworm-v2"
+DEFAULT_IMAGE = "sandboxd-tool:bookworm-v3"
+
+Runtime = Literal["runc", "runsc"]
+"""The OCI runtimes a sandbox can run under (Docker's names for them)."""
 
 
 def default_state_dir() -> Path:
@@ -47,6 +50,9 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nofile: Annotated[int, msgspec.Meta(ge=64, description="Open-file limit per process.")] = 1024
     user: Annotated[str, msgspec.Meta(description="uid:gid the sandbox runs as; never root.")] = "1000:1000"
     network: Annotated[bool, msgspec.Meta(description="Give the container a network (off).")] = False
+    runtime: Annotated[Runtime, msgspec.Meta(description=(
+        "OCI runtime of every session's container: runc (the host kernel, hardened) or runsc (gVisor: a "
+        "user-space kernel between the tool and the host; registered by docker/ensure-runsc.sh)."))] = "runc"
 
 
 class ToolLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -152,13 +158,19 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.endpoint if self.endpoint.startswith("ipc://") else default_endpoint(self.state_path)
 
 
-def load_config(path: Path | None = None, **overrides: object) -> DaemonConfig:
-    """Read a TOML file (optional), apply CLI overrides that are not None, fill derived defaults."""
+def load_config(path: Path | None = None, runtime: str | None = None, **overrides: object) -> DaemonConfig:
+    """Read a TOML file (optional), apply CLI overrides that are not None, fill derived defaults.
+
+    `runtime` overrides `[sandbox] runtime`; the other overrides are top-level keys.
+    """
     raw: dict[str, object] = {}
     if path is not None:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)
     raw.update({k: v for k, v in overrides.items() if v is not None})
+    if runtime is not None:
+        sandbox = raw.get("sandbox")
+        raw["sandbox"] = {**(sandbox if isinstance(sandbox, dict) else {}), "runtime": runtime}
     try:
         config = msgspec.convert(raw, DaemonConfig, strict=False)
     except (msgspec.ValidationError, ValueError) as exc:

@@ -53,6 +53,7 @@ def build(config: DaemonConfig) -> tuple[SandboxService, Server]:
     store = open_store(config.snapshot_backend, config.state_path / "snapshots", config.max_layers,
                        config.sandbox.disk_mb)
     containers = ContainerManager(config)
+    containers.check_runtime()
     service = SandboxService(config, state, store, containers)
     service.recover()
     return service, Server(config, service)

@@ -65,6 +65,12 @@ class DaemonProcess:
         self.start()
 
     @property
+    def runtime(self) -> str:
+        """The OCI runtime of this daemon's sandboxes, as its command line sets it (runc by default)."""
+        args = self.extra_args
+        return args[args.index("--runtime") + 1] if "--runtime" in args[:-1] else "runc"
+
+    @property
     def instance(self) -> str:
         return hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:16]
 

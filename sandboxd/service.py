@@ -72,7 +72,7 @@ _EXECUTOR_ERRORS: dict[str, Callable[[str, dict[str, Any]], SandboxdError]] = {
     "path_escape": lambda msg, d: PathEscape(str(d.get("path", "")), str(d.get("reason", msg))),
     "not_found": lambda msg, d: NotFound(msg, **d),
     "invalid_arguments": lambda msg, d: InvalidArguments(str(d.get("tool", "")), msg),
-    "resource_limit": lambda msg, d: ResourceLimit(str(d.get("call_id", "")), "disk", msg, **d),
+    "resource_limit": lambda msg, d: ResourceLimit(str(d.pop("call_id", "")), str(d.pop("limit", "disk")), msg, **d),
 }
 
 
@@ -358,7 +358,15 @@ class SandboxService:
         if req.clock is not None:
             payload["clock"] = req.clock
         started = time.monotonic()
-        reply = self._executor(req.session_id, payload, timeout + 10.0)
+        try:
+            reply = self._executor(req.session_id, payload, timeout + 10.0)
+        except SandboxUnavailable as exc:
+            if not exc.details.get("oom_killed"):
+                raise
+            # Under gVisor the memory limit is the whole sandbox's: the OOM killer stops all of it.
+            raise ResourceLimit(call_id, "memory", f"call {call_id} was killed: the sandbox ran out of memory "
+                                f"(limit {self.config.sandbox.memory_mb} MB) and was restarted",
+                                restarted=exc.details.get("restarted")) from exc
         if "error" in reply:
             details = dict(reply.get("details") or {}, call_id=call_id, tool=req.tool)
             factory = _EXECUTOR_ERRORS.get(reply["error"])
@@ -381,9 +389,10 @@ class SandboxService:
         try:
             return self.containers.channel(session_id).request(payload, timeout)
         except SandboxUnavailable as exc:
+            oom_killed = self.containers.oom_killed(session_id)
             restarted = self.containers.ensure_running(session_id)
             raise SandboxUnavailable(f"{exc.message}; sandbox {'restarted' if restarted else 'is gone'}",
-                                     session_id=session_id, restarted=restarted) from exc
+                                     session_id=session_id, restarted=restarted, oom_killed=oom_killed) from exc
 
     # Snapshots ---------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import ctypes
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 import uuid
@@ -168,7 +169,7 @@ class OverlaySnapshotStore(SnapshotStore):
         self._fresh_upper(workspace, record.layers[0])
         self._mount_stack(workspace, list(record.layers))
         (d / _RESTORING).unlink()
-        shutil.rmtree(trash)
+        _erase_tree(trash)
         return RestoreResult(workspace=workspace, snapshot_id=snapshot_id,
                              elapsed_ms=(time.monotonic() - started) * 1000)
 
@@ -227,7 +228,7 @@ class OverlaySnapshotStore(SnapshotStore):
             _umount(str(view))
             view.rmdir()
         for trash in d.glob("trash-*"):
-            shutil.rmtree(trash)
+            _erase_tree(trash)
         self._ws(workspace).mkdir(parents=True, exist_ok=True)
         self._mount_stack(workspace, self._stack(workspace))
         self._collect_layers(workspace)
@@ -368,7 +369,30 @@ class OverlaySnapshotStore(SnapshotStore):
         fixed = {"upper", "work", "snapshots", "stack.json", "stack.json.tmp", _RESTORING}
         for entry in d.iterdir():
             if entry.name not in fixed and entry.name not in live and not entry.name.startswith("trash-"):
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                _erase_tree(entry) if entry.is_dir() else entry.unlink()
+
+
+def _erase_tree(path: Path) -> None:
+    """Remove a dropped upper or layer so that its files' blocks are free at once: truncate, then unlink.
+
+    Unlinking frees nothing while something still holds a file open, and under gVisor its file proxy
+    keeps descriptors of files it served (its dentry cache) after the overlay they came through was
+    replaced: a revoked value would live on in the quota image. Truncation frees the blocks whoever
+    holds them, and the image's `discard` mount punches them out. A layer's files are its own (overlay
+    copies a file up before linking it), so no other layer loses data.
+    """
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:  # a symlink, socket or FIFO: no blocks of its own to free
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+    shutil.rmtree(path)
 
 
 def _record_json(record: SnapshotRecord) -> dict[str, object]:

@@ -311,6 +311,21 @@ def scan_container(container: Any, needles: list[bytes], paths: Iterable[str] = 
     return report
 
 
+def scan_inside(container: Any, needles: list[bytes], paths: Iterable[str]) -> LeakReport:
+    """Search paths of a running container with `tar` run inside it, located by their container paths.
+
+    For what only the container's own kernel holds: a tmpfs under gVisor lives in the sandbox's memory,
+    out of reach of the host's view of the container and of the engine's archive API alike.
+    """
+    report = LeakReport()
+    matcher = _Matcher(needles, report)
+    container.reload()
+    for path in paths:
+        _scan_via_exec(container, path, "", matcher)
+    report.hits.sort(key=lambda hit: (hit.location, hit.offset, hit.needle))
+    return report
+
+
 def _scan_archive(container: Any, path: str, label: str, matcher: _Matcher) -> None:
     try:
         chunks, _ = container.get_archive(path)
@@ -352,6 +367,9 @@ def _tmpfs_mounts(container: Any) -> list[str]:
     attrs = container.attrs
     mounts = list((attrs.get("HostConfig") or {}).get("Tmpfs") or {})
     mounts += [m["Destination"] for m in attrs.get("Mounts") or [] if m.get("Type") == "tmpfs"]
+    if (attrs.get("HostConfig") or {}).get("Runtime") == "runsc":
+        # gVisor mounts a tmpfs of its own kernel at /tmp when the container names none.
+        mounts += ["/tmp", "/dev/shm"]
     return list(dict.fromkeys(mounts))
 
 

@@ -493,14 +493,11 @@ class RevocationOperator:
             raw = scan_paths(binary, [image])
             scan.extend(raw, "sandbox:image:", "blocks of the disk image holding the sandbox files above"
                         if live.hits else "", str(state) + "/")
-        container = self.service.containers.container(sid)
-        pid = container.attrs.get("State", {}).get("Pid") if container is not None else None
-        if pid:
-            # What only the container holds is its tmpfs, read through its root as the host sees it.
-            root = Path(f"/proc/{pid}/root")
-            scratch = scan_paths(needles, [root / "tmp", root / "dev" / "shm"])
-            scan.extend(scratch, "container:", "the sandbox's scratch space as the replay left it: the "
-                        "counterfactual world holds it too", str(root))
+        # What only the container holds is its scratch tmpfs, read as its runtime allows (gVisor keeps it
+        # in its own kernel); hits are located by their paths in the container.
+        scratch = self.service.containers.scan_scratch(sid, needles)
+        scan.extend(scratch, "container:", "the sandbox's scratch space as the replay left it: the "
+                    "counterfactual world holds it too")
         scan.locations_checked += 1
         if engine_context and wanted.holds(engine_context):
             scan.add("agent:engine-context", self._context_reason(sid, wanted))

@@ -4,11 +4,16 @@ Containers are created through the Docker SDK. Each is locked down by default: n
 capability dropped, `no-new-privileges`, a read-only root filesystem, a tmpfs `/tmp`, limits on
 pids, memory (swap included) and CPU, and a non-root user. The only writable persistent place is
 the workspace, bound from the snapshot store's mount root.
+
+Under runsc (gVisor) the same options hold, and the runtime must be registered with the arguments
+`RUNSC_ARGS` (docker/ensure-runsc.sh does it); see `check_runtime` for why each is needed.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import shutil
 import threading
@@ -18,16 +23,48 @@ from pathlib import Path
 from typing import Any
 
 import docker.errors
+import msgspec
 from docker.types import Mount, Ulimit
 
 import docker
 from sandboxd.config import DaemonConfig
 from sandboxd.errors import SandboxUnavailable
+from sandboxd.revocation.leakscan import LeakReport, scan_inside, scan_paths
 from sandboxd.sandbox.channel import ExecutorChannel
 
 SOCKET_IN_CONTAINER = "/run/sandboxd/exec.sock"
 LABEL_SESSION = "sandboxd.session"
 LABEL_INSTANCE = "sandboxd.instance"
+#: scratch mounts of a sandbox: tmpfs, outside every snapshot, and held only by the container
+SCRATCH_PATHS = ("/tmp", "/dev/shm")
+
+RUNSC_ARGS = {
+    # gVisor's own network stack cannot start in the root network namespace, and a sandbox has none.
+    "--network=none": "the sandbox could not start",
+    # A unix socket bound inside gVisor lives in its kernel; `create` lets the sandbox make it a host
+    # socket in its bind mounts (and nothing more: `open`, connecting to host sockets, stays off).
+    "--host-uds=create": "the executor's socket would not be reachable from the daemon",
+    # Without it gVisor ignores the container's seccomp profile, and unshare(CLONE_NEWUSER) succeeds.
+    "--oci-seccomp": "a tool could create user and mount namespaces",
+}
+"""Arguments the engine's runsc runtime must carry, with what goes wrong without each."""
+
+
+@functools.cache
+def runsc_seccomp_profile() -> str:
+    """Docker's default seccomp profile, as runsc can enforce it, for a container's security options.
+
+    `seccomp-docker-default.json` is moby's profiles/seccomp/default.json of v20.10.24 (Apache-2.0), the
+    engine Debian bookworm ships, unchanged. That profile answers clone3 with ENOSYS so that glibc falls
+    back to clone, whose flags it can filter; gVisor 20221219 enforces the rule with EPERM instead, and
+    glibc then fails every pthread_create. Here clone3 is allowed: this gVisor does not implement it and
+    answers ENOSYS itself (tests/integration/test_hardening.py checks that no namespace can be made).
+    """
+    profile = json.loads(resources.files("sandboxd.sandbox").joinpath("seccomp-docker-default.json").read_text())
+    rules = [rule for rule in profile["syscalls"] if rule["names"] != ["clone3"]]
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ALLOW"})
+    profile["syscalls"] = rules
+    return json.dumps(profile)
 
 
 class ContainerManager:
@@ -44,7 +81,21 @@ class ContainerManager:
         self.ctl_root = self.state / "ctl"
         self._channels: dict[str, ExecutorChannel] = {}
         self._lock = threading.Lock()
+        self.runtime = config.sandbox.runtime
         self._install_executor()
+
+    def check_runtime(self) -> None:
+        """Refuse to start on an engine that does not offer the configured runtime as sandboxes need it."""
+        if self.runtime == "runc":
+            return
+        registered = (self.client.info().get("Runtimes") or {}).get(self.runtime)
+        fix = "run docker/ensure-runsc.sh (or `make engine`), which registers it"
+        if registered is None:
+            raise SandboxUnavailable(f"the Docker engine has no runtime {self.runtime!r}: {fix}")
+        args = registered.get("runtimeArgs") or []
+        missing = [f"{arg} ({why})" for arg, why in RUNSC_ARGS.items() if arg not in args]
+        if missing:
+            raise SandboxUnavailable(f"the engine's {self.runtime} runtime lacks {', '.join(missing)}: {fix}")
 
     def _install_executor(self) -> None:
         self.bin_dir.mkdir(parents=True, exist_ok=True)
@@ -67,6 +118,7 @@ class ContainerManager:
         limits = self.config.sandbox
         ctl = self.ctl_root / session_id
         ctl.mkdir(parents=True, exist_ok=True)
+        self._clear_socket(session_id)
         os.chown(ctl, *self.owner())
         os.chmod(ctl, 0o700)
         mounts = [
@@ -79,19 +131,20 @@ class ContainerManager:
                 image,
                 ["python3", "-I", "-u", "/opt/sandboxd/executor.py", "--socket", SOCKET_IN_CONTAINER],
                 name=self.name(session_id),
+                runtime=self.runtime,
                 detach=True,
                 user=limits.user,
                 network_mode="bridge" if limits.network else "none",
                 cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
+                security_opt=self._security_options(),
                 read_only=True,
                 tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"},
                 mounts=mounts,
-                pids_limit=limits.pids,
+                pids_limit=self._host_pids_limit(),
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(limits.cpus * 1e9),
-                ulimits=[Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile)],
+                ulimits=self._ulimits(),
                 init=True,
                 working_dir="/",
                 environment={"HOME": "/tmp"},
@@ -103,6 +156,48 @@ class ContainerManager:
             raise SandboxUnavailable(f"could not create the sandbox: {exc.explanation or exc}") from exc
         self._wait_ready(session_id, container)
         return str(container.id)
+
+    def _clear_socket(self, session_id: str) -> None:
+        # A socket left by an executor that is gone: under gVisor it is a host socket file, which a new
+        # executor can neither see through the file proxy nor bind over.
+        (self.ctl_root / session_id / "exec.sock").unlink(missing_ok=True)
+
+    # Limits under gVisor. The sandbox is one host process tree (gVisor's kernel and, on its ptrace
+    # platform, a stub process per address space with a thread per tracer: a 128-process shell fork
+    # bomb peaked at 2,420 host tasks). The host pids cgroup counts those, and gVisor's kernel dies when
+    # it cannot make a thread; so the pids limit is enforced inside, as RLIMIT_NPROC, which gVisor counts
+    # per sandbox (under runc it would count the uid's processes across every container and the host).
+    # The host cgroup stays as a ceiling. Memory is the host cgroup's for both runtimes: under gVisor
+    # its OOM kill takes the whole sandbox, which `oom_killed` reports and `ensure_running` restarts.
+    _RUNSC_HOST_TASKS_PER_PID = 32
+
+    def _host_pids_limit(self) -> int:
+        pids = self.config.sandbox.pids
+        return pids * self._RUNSC_HOST_TASKS_PER_PID if self.runtime == "runsc" else pids
+
+    def _ulimits(self) -> list[Ulimit]:
+        limits = self.config.sandbox
+        ulimits = [Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile)]
+        if self.runtime == "runsc":
+            ulimits.append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
+        return ulimits
+
+    def oom_killed(self, session_id: str) -> bool:
+        """Whether the session's container was stopped by the OOM killer (a whole gVisor sandbox is)."""
+        container = self.container(session_id)
+        if container is None or self.runtime != "runsc":
+            # Under runc the OOM killer takes the tool (its oom_score_adj is 1000), which the executor reports.
+            return bool(container is not None and container.attrs.get("State", {}).get("OOMKilled"))
+        deadline = time.monotonic() + 10.0  # only on a broken channel; a loaded engine takes its time
+        while container.status == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)  # the engine marks the container exited a moment after its sandbox died
+            container.reload()
+        return bool(container.attrs.get("State", {}).get("OOMKilled"))
+
+    def _security_options(self) -> list[str]:
+        if self.runtime == "runsc":
+            return ["no-new-privileges", f"seccomp={runsc_seccomp_profile()}"]
+        return ["no-new-privileges"]  # and the engine's default seccomp profile
 
     def _wait_ready(self, session_id: str, container: Any) -> None:
         """Wait for the executor's first answer; a container that exits meanwhile fails fast."""
@@ -136,6 +231,7 @@ class ContainerManager:
             return False
         if container.status != "running":
             self.channel(session_id).close()
+            self._clear_socket(session_id)
             container.start()
             self._wait_ready(session_id, container)
         elif not self._answers(session_id):
@@ -143,7 +239,9 @@ class ContainerManager:
             # call whose daemon was killed (it would hold the session until that call's timeout).
             # A restart kills the call and everything it started; the workspace is a bind mount.
             self.channel(session_id).close()
-            container.restart(timeout=0)
+            container.stop(timeout=0)
+            self._clear_socket(session_id)
+            container.start()
             self._wait_ready(session_id, container)
         return True
 
@@ -172,6 +270,22 @@ class ContainerManager:
             return self.client.containers.get(self.name(session_id))
         except docker.errors.NotFound:
             return None
+
+    def scan_scratch(self, session_id: str, needles: list[bytes]) -> LeakReport:
+        """Byte-scan the sandbox's scratch tmpfs mounts, which only the container holds; hits are located
+        by their paths in the container. A stopped container's tmpfs is gone, and with it what it held."""
+        container = self.container(session_id)
+        if container is None or container.status != "running":
+            return LeakReport()
+        if self.runtime == "runsc":
+            # gVisor keeps a tmpfs in its own kernel's memory: on the host, /proc/PID/root of the
+            # sandbox process is an empty directory, and a scan there would find nothing and say clean.
+            return scan_inside(container, needles, SCRATCH_PATHS)
+        # runc: read through the container's root as the host sees it, without a round of Docker API calls.
+        root = f"/proc/{container.attrs['State']['Pid']}/root"
+        report = scan_paths(needles, [Path(root + path) for path in SCRATCH_PATHS])
+        report.hits = [msgspec.structs.replace(hit, location=hit.location.removeprefix(root)) for hit in report.hits]
+        return report
 
     def sessions_with_containers(self) -> list[str]:
         """Session ids that have a container of this instance, running or not."""

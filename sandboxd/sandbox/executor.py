@@ -11,6 +11,7 @@ calls at once and can reap every stray process between calls.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import json
 import os
@@ -134,12 +135,16 @@ def _kill_leftovers(wait_s: float = 2.0) -> None:
     """SIGKILL every process we may signal (all of the sandbox user's but this one and init) and wait
     until they are gone: a killed process holds its pid until init reaps it, and the next call must be
     able to fork under the pids limit."""
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + wait_s
-    while _leftovers() and time.monotonic() < deadline:
+    while True:
+        # Again and again: a fork bomb forks anew as its first processes die, and killing is slow under
+        # gVisor, so one round leaves it running with the next call.
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not _leftovers() or time.monotonic() > deadline:
+            return
         time.sleep(0.002)
 
 
@@ -213,7 +218,7 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
     except RuntimeError as exc:  # no pid left for a thread: the sandbox is at its pids limit
         _kill_group(proc)
         proc.wait()
-        raise ToolFailure("resource_limit", f"could not start the call: {exc}") from exc
+        raise ToolFailure("resource_limit", f"could not start the call: {exc}", limit="pids") from exc
     out, err, out_cut, err_cut = _read_capped(proc, cap, started + timeout)
     timed_out = proc.poll() is None
     # Kill the whole group either way: a call leaves no process behind, not even a backgrounded one.
@@ -361,8 +366,13 @@ def serve(socket_path: str) -> None:
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(socket_path)
-    os.chmod(socket_path, 0o600)
+    # Created 0600 through the umask rather than a chmod afterwards: under gVisor the socket is a host
+    # socket made by its file proxy (--host-uds=create), which refuses a chmod of it.
+    previous = os.umask(0o177)
+    try:
+        server.bind(socket_path)
+    finally:
+        os.umask(previous)
     server.listen(4)
     while True:
         conn, _ = server.accept()
@@ -380,6 +390,9 @@ def main() -> None:
     args = parser.parse_args()
     global _serving_in_sandbox
     _serving_in_sandbox = True
+    # Not dumpable: a tool runs as the same user and could otherwise ptrace the executor, and with it
+    # forge replies or survive the reaping between calls. A tool's own exec makes it dumpable again.
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve(args.socket)
 

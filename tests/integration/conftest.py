@@ -2,6 +2,10 @@
 
 Every daemon gets its own state directory; teardown closes its sessions, kills the process, removes
 any container it labelled and unmounts what its snapshot store mounted, so nothing outlives a test.
+
+Daemons run their sandboxes under runc unless a test is parametrized over `RUNTIMES` (see
+`both_runtimes`): the modules that cover the sandbox, snapshots, revocation, forgetting, crashes and
+hardening run under gVisor's runsc as well.
 """
 
 from __future__ import annotations
@@ -18,9 +22,19 @@ from agent.compare import TREE_LISTING
 from sandboxd.client import Client
 from sandboxd.launcher import DaemonProcess
 
-__all__ = ["DaemonProcess", "tree_listing_code"]
+__all__ = ["DaemonProcess", "RUNTIMES", "both_runtimes", "tree_listing_code"]
 
 pytestmark = pytest.mark.docker
+
+RUNTIMES = ("runc", "runsc")
+both_runtimes = pytest.mark.parametrize("runtime", RUNTIMES, indirect=True)
+"""Run a test (or, as a module's pytestmark, every test of it) once per runtime."""
+
+
+@pytest.fixture
+def runtime(request: pytest.FixtureRequest) -> str:
+    """The OCI runtime the test's daemons run sandboxes under: runc unless parametrized."""
+    return str(getattr(request, "param", "runc"))
 
 
 @pytest.fixture(scope="session")
@@ -31,13 +45,13 @@ def engine() -> docker.DockerClient:
 
 
 @pytest.fixture
-def daemon_factory(engine: docker.DockerClient) -> Iterator[Callable[..., DaemonProcess]]:
-    """Start daemons on fresh state directories; all are cleaned up after the test."""
+def daemon_factory(engine: docker.DockerClient, runtime: str) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start daemons on fresh state directories, under the test's runtime; all are cleaned up after it."""
     made: list[tuple[DaemonProcess, Path]] = []
 
     def make(extra_args: list[str] | None = None) -> DaemonProcess:
         tmp = Path(tempfile.mkdtemp(prefix="sandboxd-test-"))
-        daemon = DaemonProcess(tmp / "state", extra_args)
+        daemon = DaemonProcess(tmp / "state", ["--runtime", runtime, *(extra_args or [])])
         made.append((daemon, tmp))
         daemon.start()
         return daemon

@@ -27,7 +27,7 @@ import docker
 from sandboxd import protocol as p
 from sandboxd.client import Client, RemoteError
 from sandboxd.sandbox.containers import LABEL_INSTANCE
-from tests.integration.conftest import DaemonProcess, tree_listing_code
+from tests.integration.conftest import DaemonProcess, both_runtimes, tree_listing_code
 
 pytestmark = pytest.mark.docker
 
@@ -143,6 +143,7 @@ def crashable(leftover_guard: list[DaemonProcess],
 # (a) a long call -------------------------------------------------------------------------------
 
 
+@both_runtimes
 def test_kill_during_a_long_call(crashable: DaemonProcess, engine: docker.DockerClient) -> None:
     daemon = crashable
     client = daemon.client()
@@ -295,6 +296,7 @@ def test_kill_during_a_restore(crashable: DaemonProcess) -> None:
 # (d) nothing left behind ------------------------------------------------------------------------
 
 
+@both_runtimes
 def test_nothing_outlives_the_sessions(leftover_guard: list[DaemonProcess],
                                        daemon_factory: Callable[..., DaemonProcess],
                                        engine: docker.DockerClient) -> None:

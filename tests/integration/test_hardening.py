@@ -10,6 +10,7 @@ addresses, a socket the test itself listens on, or the container's own interface
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ import pytest
 
 import docker
 from sandboxd.client import Client, RemoteError
-from tests.integration.conftest import DaemonProcess
+from tests.integration.conftest import RUNTIMES, DaemonProcess
 
 pytestmark = pytest.mark.docker
 
@@ -36,13 +37,13 @@ PROCESSES = ("for p in /proc/[0-9]*; do printf '%s ' ${p#/proc/}; tr '\\0' ' ' <
              "echo; done")
 
 
-@pytest.fixture(scope="module")
-def hardened(engine: docker.DockerClient) -> Iterator[DaemonProcess]:
-    """One daemon for the module (each test opens its own session); removed with all it made."""
+@pytest.fixture(scope="module", params=RUNTIMES)
+def hardened(request: pytest.FixtureRequest, engine: docker.DockerClient) -> Iterator[DaemonProcess]:
+    """One daemon per runtime for the module (each test opens its own session); removed with all it made."""
     tmp = Path(tempfile.mkdtemp(prefix="sandboxd-hardening-"))
     config = tmp / "sandboxd.toml"
     config.write_text(f"[sandbox]\ndisk_mb = {QUOTA_MB}\n")  # small, so filling it is quick
-    daemon = DaemonProcess(tmp / "state", ["--config", str(config)])
+    daemon = DaemonProcess(tmp / "state", ["--config", str(config), "--runtime", request.param])
     daemon.start()
     yield daemon
     daemon.shutdown()
@@ -144,11 +145,15 @@ print(json.dumps(out))
 
 def test_host_filesystem_and_docker_socket_are_out_of_reach(sbx: Client, sid: str, hardened: DaemonProcess) -> None:
     host_hostname = Path("/etc/hostname").read_text().strip() if Path("/etc/hostname").exists() else ""
-    inside = sh(sbx, sid, "cat /etc/hostname; readlink /proc/1/root; test -e /proc/1/root/.dockerenv && echo "
-                          "dockerenv; tr '\\0' ' ' < /proc/1/cmdline; echo").stdout.splitlines()
-    assert inside[0] != host_hostname
-    assert inside[1:3] == ["/", "dockerenv"]  # pid 1's root is the container's own root
-    assert "/opt/sandboxd/executor.py" in inside[3]  # and pid 1 is the container's init, not the host's
+    inside = sh(sbx, sid, "cat /etc/hostname; readlink /proc/1/root || echo unreadable; test -e "
+                          "/proc/1/root/.dockerenv && echo dockerenv; tr '\\0' ' ' < /proc/1/cmdline; echo").stdout
+    lines = inside.splitlines()
+    assert lines[0] != host_hostname
+    if hardened.runtime == "runsc":
+        assert lines[1] == "unreadable"  # gVisor does not let even its owner's processes through it
+    else:
+        assert lines[1:3] == ["/", "dockerenv"]  # pid 1's root is the container's own root
+    assert "/opt/sandboxd/executor.py" in lines[-1]  # and pid 1 is the container's init, not the host's
     # The daemon's state directory appears in mount options, but no path of it is reachable.
     mountinfo = sh(sbx, sid, "cat /proc/self/mountinfo").stdout
     state = str(hardened.state_dir)
@@ -156,7 +161,10 @@ def test_host_filesystem_and_docker_socket_are_out_of_reach(sbx: Client, sid: st
     for token in mountinfo.replace(",", " ").replace("=", " ").replace(":", " ").split():
         if token.startswith(state):
             host_paths.add(token)
-    assert len(host_paths) > 3, mountinfo
+    if hardened.runtime == "runsc":
+        assert state not in mountinfo, mountinfo  # gVisor's mount table names no host path at all
+    else:
+        assert len(host_paths) > 3, mountinfo
     probe = "; ".join(f"test -e '{path}' && echo 'VISIBLE {path}'" for path in sorted(host_paths))
     assert "VISIBLE" not in sh(sbx, sid, probe + "; true").stdout
     sockets = sh(sbx, sid, "find / -type s -not -path '/proc/*' 2>/dev/null; ls /var/run/docker.sock "
@@ -173,7 +181,7 @@ def test_host_filesystem_and_docker_socket_are_out_of_reach(sbx: Client, sid: st
 # Privileges -----------------------------------------------------------------------------------
 
 
-def test_no_way_to_gain_privileges(sbx: Client, sid: str) -> None:
+def test_no_way_to_gain_privileges(sbx: Client, sid: str, hardened: DaemonProcess) -> None:
     assert sh(sbx, sid, "find / -xdev \\( -perm -4000 -o -perm -2000 \\) -type f 2>/dev/null").stdout == ""
     su = sh(sbx, sid, "su -c id root < /dev/null")
     assert su.exit_code != 0 and "uid=0" not in su.stdout
@@ -181,7 +189,8 @@ def test_no_way_to_gain_privileges(sbx: Client, sid: str) -> None:
     assert sudo.exit_code != 0 and "uid=0" not in sudo.stdout
     status = sh(sbx, sid, "grep -H -E '^(CapEff|CapPrm|CapBnd|CapAmb|NoNewPrivs)' /proc/[0-9]*/status").stdout
     rows = [line.split(":", 1)[1].split() for line in status.splitlines()]
-    assert len(rows) >= 10, status  # pid 1, the executor and this shell at least
+    # gVisor's status files have no CapAmb and NoNewPrivs lines; the kernel is asked below instead.
+    assert len(rows) >= (9 if hardened.runtime == "runsc" else 15), status  # pid 1, the executor, this shell
     assert all(value == ("1" if key == "NoNewPrivs:" else "0000000000000000") for key, value in rows), status
     # A setuid copy is setuid to its owner, the sandbox user: it grants nothing.
     copied = sh(sbx, sid, "cp /usr/bin/id ./myid && chmod u+s ./myid && ./myid -u && ./myid -ur; "
@@ -203,11 +212,105 @@ out.append(f'userns={errno_of(libc.unshare(0x10000000))}')
 out.append(f'mountns={errno_of(libc.unshare(0x00020000))}')
 out.append(f'mount={errno_of(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))}')
 out.append(f'euid={os.geteuid()}')
+out.append(f'no_new_privs={libc.prctl(39, 0, 0, 0, 0)}')
 print(' '.join(out))
 """
     result = py(sbx, sid, code)
     assert result.stdout.split() == ["setuid=1", "setgid=1", "setgroups=1", "chroot=1", "userns=1", "mountns=1",
-                                     "mount=1", "euid=1000"], result
+                                     "mount=1", "euid=1000", "no_new_privs=1"], result
+    assert_alive(sbx, sid)
+
+
+ESCAPES = r"""
+import ctypes, errno, json, os, stat
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+out = {}
+
+def attempt(name, rc):
+    out[name] = ctypes.get_errno() if rc == -1 else 'ok'
+
+def call(name, fn):
+    try:
+        fn(); out[name] = 'ok'
+    except OSError as e:
+        out[name] = e.errno
+
+NS = {'user': 0x10000000, 'mnt': 0x20000, 'uts': 0x4000000, 'ipc': 0x8000000, 'pid': 0x20000000,
+      'net': 0x40000000, 'cgroup': 0x2000000, 'time': 0x80}
+for name, flag in NS.items():
+    attempt('unshare_' + name, libc.unshare(flag))
+    if name == 'time':
+        continue  # clone() has no bit for it (0x80 is part of the exit signal there)
+    pid = libc.syscall(56, flag | 17, 0, 0, 0, 0)  # clone(flags | SIGCHLD): a child in a new namespace
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    attempt('clone_' + name, -1 if pid < 0 else 0)
+for name in ('net', 'mnt', 'user', 'pid'):
+    try:
+        fd = os.open('/proc/1/ns/' + name, os.O_RDONLY)
+        attempt('setns_' + name, libc.setns(fd, 0))
+    except OSError as e:
+        out['setns_' + name] = e.errno
+attempt('mount_tmpfs', libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))
+attempt('mount_bind', libc.mount(b'/workspace', b'/tmp', None, 4096, None))
+attempt('mount_proc', libc.mount(b'proc', b'/tmp', b'proc', 0, None))
+attempt('umount_sandbox', libc.umount2(b'/sandbox', 2))
+attempt('pivot_root', libc.syscall(155, b'/tmp', b'/tmp'))
+call('chroot', lambda: os.chroot('/tmp'))
+for name, kind, major, minor in (('block', stat.S_IFBLK, 8, 0), ('mem', stat.S_IFCHR, 1, 1)):
+    node = '/tmp/node-' + name
+    attempt('mknod_' + name, libc.mknod(node.encode(), kind | 0o600, os.makedev(major, minor)))
+    if out['mknod_' + name] == 'ok':
+        # gVisor lets a node be made in its own tmpfs: it names gVisor's devices, which have no disk or memory.
+        out['mknod_' + name] = 'made'
+        call('open_' + name, lambda: os.close(os.open(node, os.O_RDONLY)))
+attempt('ptrace_executor', libc.ptrace(16, os.getppid(), None, None))  # PTRACE_ATTACH to the executor
+attempt('bpf', libc.syscall(321, 0, None, 0))
+attempt('perf_event_open', libc.syscall(298, None, 0, -1, -1, 0))
+attempt('add_key', libc.syscall(248, b'user', b'k', b'v', 1, -2))
+attempt('keyctl', libc.syscall(250, 0, -2, 0, 0, 0))
+attempt('init_module', libc.syscall(175, None, 0, b''))
+attempt('kexec_load', libc.syscall(246, 0, 0, None, 0))
+attempt('open_by_handle_at', libc.syscall(304, 3, None, 0))
+attempt('reboot', libc.syscall(169, 0xfee1dead, 672274793, 0x4321fedc, None))
+for path in ('/proc/sys/kernel/hostname', '/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches',
+             '/proc/sysrq-trigger', '/sys/kernel/uevent_helper', '/sys/fs/cgroup/cgroup.procs'):
+    call('write:' + path, lambda: open(path, 'w').write('1'))
+devices = []
+for base, dirs, files in os.walk('/dev'):
+    for entry in dirs + files:
+        st = os.lstat(os.path.join(base, entry))
+        if stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode):
+            devices.append((os.path.join(base, entry), os.major(st.st_rdev), os.minor(st.st_rdev)))
+out['devices'] = sorted(devices)
+out['seccomp'] = [line.split()[1] for line in open('/proc/self/status') if line.startswith('Seccomp:')]
+print(json.dumps(out))
+"""
+#: character devices a sandbox may hold: the memory-less ones (null, zero, full, random, urandom), tty,
+#: the pty multiplexer and its pts, and under gVisor its own emulated /dev/net/tun and /dev/fuse,
+#: which belong to its kernel (no network and no mount can use them), not to the host.
+ALLOWED_DEVICES = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 2), (10, 200), (10, 229)}
+
+
+def test_escape_suite_every_attempt_fails(sbx: Client, sid: str) -> None:
+    """Namespaces, mounts, devices, kernel interfaces, /proc/sys and /sys writes: each must fail."""
+    result = py(sbx, sid, ESCAPES)
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    devices, seccomp = out.pop("devices"), out.pop("seccomp")
+    succeeded = sorted(name for name, outcome in out.items() if outcome == "ok")
+    assert succeeded == [], out
+    assert len(out) >= 41, out  # every attempt ran and reported
+    # Refused, not merely mistyped: a kernel that accepted the call would not say EINVAL to these.
+    assert {out[f"unshare_{ns}"] for ns in ("user", "mnt", "net", "pid")} == {1}, out
+    assert {out["mount_tmpfs"], out["mount_bind"], out["mount_proc"], out["ptrace_executor"]} == {1}, out
+    for node in ("block", "mem"):
+        assert out[f"mknod_{node}"] == 1 or out[f"open_{node}"] in (errno.ENXIO, errno.ENODEV, errno.EACCES), out
+    assert seccomp == ["2"]  # a filter is installed (Docker's profile, enforced by gVisor itself under runsc)
+    assert [d for d in devices if (d[1], d[2]) not in ALLOWED_DEVICES and not d[0].startswith("/dev/pts/")] == []
     assert_alive(sbx, sid)
 
 

@@ -16,9 +16,12 @@ import msgspec
 import pytest
 
 import docker
-from sandboxd.config import DEFAULT_IMAGE
+from sandboxd.client import Client
+from sandboxd.config import DEFAULT_IMAGE, load_config
 from sandboxd.revocation import leakscan
 from sandboxd.revocation.leakscan import LeakReport, needles_for, scan_container, scan_images, scan_paths
+from sandboxd.sandbox.containers import ContainerManager, runsc_seccomp_profile
+from tests.integration.conftest import DaemonProcess, both_runtimes
 
 SECRET = 'tok-"Ωmega"-7781-revoke-me'
 PLAIN = "sbx-leak-9f3c2e71d0"
@@ -197,9 +200,10 @@ def tmp_images(engine: docker.DockerClient) -> Iterator[list[str]]:
             pass
 
 
-def run_container(engine: docker.DockerClient, tmp_containers: list[Any]) -> Any:
+def run_container(engine: docker.DockerClient, tmp_containers: list[Any], runtime: str = "runc") -> Any:
     container = engine.containers.run(
-        IMAGE, ["sleep", "60"], detach=True, network_mode="none", tmpfs={"/scratch": "mode=1777"}
+        IMAGE, ["sleep", "60"], detach=True, network_mode="none", tmpfs={"/scratch": "mode=1777"},
+        runtime=runtime, security_opt=[f"seccomp={runsc_seccomp_profile()}"] if runtime == "runsc" else None,
     )
     tmp_containers.append(container)
     return container
@@ -211,8 +215,9 @@ def write(container: Any, path: str, text: str) -> None:
 
 
 @pytest.mark.docker
-def test_container_files_are_found(engine: docker.DockerClient, tmp_containers: list[Any]) -> None:
-    container = run_container(engine, tmp_containers)
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+def test_container_files_are_found(engine: docker.DockerClient, tmp_containers: list[Any], runtime: str) -> None:
+    container = run_container(engine, tmp_containers, runtime)
     write(container, "/tmp/notes.txt", f"remember: {PLAIN}\n")
     write(container, "/var/tmp/cache.json", json.dumps({"v": PLAIN}))  # only diff() points here
     write(container, "/scratch/buffer", PLAIN)  # tmpfs: only a tar run inside the container sees it
@@ -230,8 +235,9 @@ def test_container_files_are_found(engine: docker.DockerClient, tmp_containers: 
 
 
 @pytest.mark.docker
-def test_clean_container_has_no_hits(engine: docker.DockerClient, tmp_containers: list[Any]) -> None:
-    container = run_container(engine, tmp_containers)
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+def test_clean_container_has_no_hits(engine: docker.DockerClient, tmp_containers: list[Any], runtime: str) -> None:
+    container = run_container(engine, tmp_containers, runtime)
     write(container, "/tmp/other.txt", "unrelated")
     report = scan_container(container, needles_for(PLAIN))
     assert report.hits == [] and report.clean
@@ -252,3 +258,22 @@ def test_saved_image_layers_are_searched(
     assert len(hits) == 1 and hits[0].offset == len("remember: ")
     assert hits[0].location.startswith(f"image:{image.id}:")
     assert report.locations_checked > 100  # the base layers' files were searched too
+
+
+@pytest.mark.docker
+@both_runtimes
+def test_a_sessions_scratch_space_is_scanned_under_its_runtime(daemon: DaemonProcess, client: Client, session: str,
+                                                               runtime: str) -> None:
+    """The scan a revocation runs over /tmp and /dev/shm finds what a tool left there, under either runtime."""
+    client.call(session, "python", {"code": f"open('/tmp/copy.txt', 'w').write('x' + {PLAIN!r}); "
+                                            f"open('/dev/shm/seg', 'w').write({PLAIN!r})"})
+    manager = ContainerManager(load_config(state_dir=str(daemon.state_dir), runtime=runtime))
+    report = manager.scan_scratch(session, needles_for(PLAIN))
+    assert {(hit.location, hit.offset) for hit in report.hits} == {("/tmp/copy.txt", 1), ("/dev/shm/seg", 0)}
+    assert not report.skipped
+    pid = manager.container(session).attrs["State"]["Pid"]
+    host_view = scan_paths(needles_for(PLAIN), [Path(f"/proc/{pid}/root/tmp")])
+    # Under gVisor the tmpfs lives in its kernel: the host's view of the sandbox shows none of it.
+    assert bool(host_view.hits) == (runtime == "runc")
+    client.call(session, "shell", {"command": "rm /tmp/copy.txt /dev/shm/seg"})
+    assert manager.scan_scratch(session, needles_for(PLAIN)).hits == []

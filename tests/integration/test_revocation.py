@@ -22,9 +22,12 @@ from agent.revocation import apply, apply_pending
 from agent.scenario import Scenario, Task, ToolStep
 from agent.scenarios import INJECTION, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd import protocol as p
+from sandboxd.config import load_config
 from sandboxd.launcher import DaemonProcess
 from sandboxd.revocation.forgetting import target_forms
 from sandboxd.revocation.leakscan import needles_for, scan_paths
+from sandboxd.sandbox.containers import ContainerManager
+from tests.integration.conftest import both_runtimes
 
 pytestmark = pytest.mark.docker
 
@@ -146,6 +149,7 @@ def test_cost_follows_the_suffix_not_the_session(worlds: tuple[World, World], we
     assert long.tokens.full_reset > short.tokens.full_reset > short.tokens.recomputed
 
 
+@both_runtimes
 def test_detector_revocation_forgets_physically_and_fires_nothing_twice(worlds: tuple[World, World],
                                                                        web: Web) -> None:
     live, _ = worlds
@@ -208,15 +212,18 @@ def test_a_replay_cut_by_a_crash_rolls_back_and_can_be_taken_again(worlds: tuple
     assert "admin.txt" not in live.client.call(agent.session_id, "list_dir", {"recursive": True}).stdout
 
 
-def test_the_container_scratch_space_is_scanned_and_emptied(worlds: tuple[World, World], web: Web) -> None:
+@both_runtimes
+def test_the_container_scratch_space_is_scanned_and_emptied(worlds: tuple[World, World], web: Web,
+                                                            runtime: str) -> None:
     live, _ = worlds
     agent = run_session(live.client, finance(web.url("/vendors")), WORKSPACE)
     [info] = live.client.pending_revocations(agent.session_id)
     # A tool copied the injected page into scratch space, which no snapshot holds.
     live.client.call(agent.session_id, "python", {"code": f"open('/tmp/copy.txt', 'w').write({INJECTION!r})"})
-    container = live.daemon_container(agent.session_id)
-    scratch = Path(f"/proc/{container.attrs['State']['Pid']}/root/tmp")
-    assert scan_paths(needles_for(INJECTION), [scratch]).hits  # the host can read the container's tmpfs
+    # The scan the revocation runs sees it, under either runtime (gVisor keeps the tmpfs in its kernel).
+    manager = ContainerManager(load_config(state_dir=str(live.daemon.state_dir), runtime=runtime))
+    assert [hit.location for hit in manager.scan_scratch(agent.session_id, needles_for(INJECTION)).hits] \
+        == ["/tmp/copy.txt"]
     report = apply(agent, info.revocation_id)
     assert report.leak_scan["hits"] == 0
     assert live.client.call(agent.session_id, "shell", {"command": "ls -A /tmp"}).stdout == ""

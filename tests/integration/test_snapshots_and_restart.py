@@ -7,9 +7,9 @@ import json
 import pytest
 
 from sandboxd.client import Client, RemoteError
-from tests.integration.conftest import DaemonProcess, tree_listing_code
+from tests.integration.conftest import DaemonProcess, both_runtimes, tree_listing_code
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, both_runtimes]
 
 BUILD_TREE = """
 set -e
