@@ -84,7 +84,7 @@ def build_server(session: McpSession, options: McpOptions) -> Server[Any]:
         if call is None:
             submitted = await session.submit(params.name, args, key)
             if isinstance(submitted, Outcome):
-                return to_call_tool_result(submitted, session.take_notices())
+                return to_call_tool_result(submitted, session.take_notices(), session.session_id)
             call = submitted
         await call.settled.wait()
         if call.outcome is None:
@@ -97,8 +97,8 @@ def build_server(session: McpSession, options: McpOptions) -> Server[Any]:
             else:
                 await _wait_with_progress(ctx, call, options.hold_wait_s)
                 if call.outcome is None:
-                    return to_call_tool_result(_still_held(call))
-        return to_call_tool_result(call.outcome, session.take_notices())
+                    return to_call_tool_result(_still_held(call), session_id=session.session_id)
+        return to_call_tool_result(call.outcome, session.take_notices(), session.session_id)
 
     server: Server[Any] = Server("sandboxd", version=__version__, instructions=INSTRUCTIONS,
                                  on_list_tools=list_tools, on_call_tool=call_tool)
@@ -121,7 +121,8 @@ def _resumed(session: McpSession, request_state: str | None) -> PendingCall | No
 def _input_required(call: PendingCall) -> types.InputRequiredResult:
     assert call.hold is not None
     state = json.dumps({"agent_call_id": call.entry.agent_call_id, "call_id": call.hold.call_id})
-    return types.InputRequiredResult(request_state=state, _meta={"sandboxd/held": call.hold.describe()})
+    return types.InputRequiredResult(request_state=state, _meta={"sandboxd/held": call.hold.describe(),
+                                                                 "sandboxd/session": call.hold.session_id})
 
 
 def _still_held(call: PendingCall) -> Outcome:

@@ -82,10 +82,11 @@ def error_outcome(code: str, message: str, details: dict[str, Any] | None = None
                    structured={"error": {"code": code, "message": message, "details": details or {}}})
 
 
-def to_call_tool_result(outcome: Outcome, notices: list[dict[str, Any]] | None = None) -> types.CallToolResult:
+def to_call_tool_result(outcome: Outcome, notices: list[dict[str, Any]] | None = None,
+                        session_id: str | None = None) -> types.CallToolResult:
     """The MCP result; pending revocation notices ride in front, so the model reads them first."""
     content: list[types.ContentBlock] = []
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] = {"sandboxd/session": session_id} if session_id else {}
     if notices:
         content += [types.TextContent(text=notice["text"]) for notice in notices]
         meta["sandboxd/revocations"] = [{k: v for k, v in n.items() if k != "text"} for n in notices]
