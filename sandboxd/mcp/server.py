@@ -175,7 +175,7 @@ async def serve(options: McpOptions, announce: Callable[[str], None] | None = No
     """Serve until the client goes away (stdio), a signal, or the idle timeout."""
     say = announce or (lambda text: print(text, file=sys.stderr, flush=True))
     session = McpSession(client_factory(options), options.session, image=options.image,
-                         window_s=options.retry_window_s)
+                         window_s=options.retry_window_s, in_flight_wait_s=options.wait_s)
     token = options.token or secrets.token_urlsafe(32)
     try:
         async with anyio.create_task_group() as tg:

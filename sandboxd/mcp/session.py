@@ -113,13 +113,14 @@ class McpSession:
     """The bridge between MCP tool calls and one daemon session."""
 
     def __init__(self, factory: Callable[[], Client], session_id: str | None, *, image: str | None = None,
-                 window_s: float = 60.0, decision_poll_s: float = 0.25) -> None:
+                 window_s: float = 60.0, decision_poll_s: float = 0.25, in_flight_wait_s: float = 120.0) -> None:
         self.clients = ClientPool(factory)
         self.session_id = session_id or ""
         self.attached = session_id is not None
         self.image = image
         self.window = RetryWindow(window_s)
         self.decision_poll_s = decision_poll_s
+        self.in_flight_wait_s = in_flight_wait_s
         self.recorder = CallRecorder()
         self.manifests: dict[str, p.ToolManifest] = {}
         self.pending: dict[str, PendingCall] = {}
@@ -253,11 +254,20 @@ class McpSession:
             await self._checkpoint("external", call.turn)
 
     async def _execute(self, call: PendingCall) -> Outcome:
-        try:
-            result = await self.daemon(lambda c: c.call(self.session_id, call.tool, call.args,
-                                                        call_id=call.entry.agent_call_id, turn=call.turn))
-        except RemoteError as exc:
-            return error_outcome(exc.wire_code, exc.message, exc.details)
+        deadline = time.monotonic() + self.in_flight_wait_s
+        while True:
+            try:
+                result = await self.daemon(lambda c: c.call(self.session_id, call.tool, call.args,
+                                                            call_id=call.entry.agent_call_id, turn=call.turn))
+                break
+            except RemoteError as exc:
+                # Another request is firing this very effect (one this server sent before it restarted):
+                # its outcome is the answer, so wait for it rather than report a refusal.
+                firing = exc.wire_code == "invalid_state" and exc.details.get("state") in ("intent", "fired",
+                                                                                          "released")
+                if not firing or time.monotonic() > deadline:
+                    return error_outcome(exc.wire_code, exc.message, exc.details)
+                await anyio.sleep(self.decision_poll_s)
         if result.held:
             call.hold = Hold(call_id=result.call_id, tool=call.tool, policy=str((result.data or {}).get("policy",
                              "manual")), turn=call.turn, session_id=self.session_id)

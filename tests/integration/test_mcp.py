@@ -378,17 +378,33 @@ def test_http_needs_the_bearer_token_and_close_on_exit_closes_the_session(world:
     assert sid not in {s.session_id for s in world.ops.sessions()}
 
 
-def test_attaching_keeps_the_session_and_resumes_its_record(world: World) -> None:
+def test_a_retry_after_the_mcp_server_restarted_is_still_delivered_once(world: World) -> None:
+    """The first server goes away with the send in flight; a new one attached to the session takes the retry."""
     sid = world.ops.open_session().session_id
+    mail = {"to": ["ops@example.com"], "subject": "across a restart", "body": "once"}
 
-    async def use(expected_obs: str) -> None:
+    async def first() -> None:
         async with stdio_client(world, "--session", sid) as client:
-            result = await client.call_tool("shell", {"command": "echo hi >> log.txt; wc -l < log.txt"})
-            assert result.meta is not None and result.meta["sandboxd/observation"] == expected_obs
+            await client.call_tool("shell", {"command": "echo hi > log.txt"})
+            world.smtp.arm(2.0)
+            with pytest.raises(MCPError):
+                await client.call_tool("send_email", mail, read_timeout_seconds=0.5)
+
+    async def second() -> CallToolResult:
+        async with stdio_client(world, "--session", sid) as client:
+            result = await client.call_tool("send_email", mail)
+            listing = await client.call_tool("read_file", {"path": "log.txt"})
+            assert text(listing) == "hi\n" and listing.meta is not None
+            assert listing.meta["sandboxd/observation"] == "mcp-obs-3"  # the record goes on where it stopped
+            return result
 
     try:
-        anyio.run(use, "mcp-obs-1")
-        anyio.run(use, "mcp-obs-2")  # the second server takes up where the first left off
-        assert sid in {s.session_id for s in world.ops.sessions()}
+        before = world.smtp.count
+        anyio.run(first)
+        retried = anyio.run(second)
+        assert not retried.is_error, text(retried)
+        time.sleep(0.5)
+        assert world.smtp.count == before + 1
+        assert sid in {s.session_id for s in world.ops.sessions()}  # attached, so never closed on exit
     finally:
         world.ops.close_session(sid)
