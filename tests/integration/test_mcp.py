@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -25,7 +25,7 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import CallToolResult, TextContent
+from mcp_types import CallToolResult, RequestParamsMeta, TextContent
 
 from sandboxd.client import Client as DaemonClient
 from sandboxd.launcher import DaemonProcess
@@ -155,6 +155,10 @@ def error_code(result: CallToolResult) -> str:
     return str(result.structured_content["error"]["code"])
 
 
+def key_meta(key: object) -> RequestParamsMeta:
+    return cast(RequestParamsMeta, {"sandboxd/idempotencyKey": key})
+
+
 def session_of(result: CallToolResult) -> str:
     assert result.meta is not None
     return str(result.meta["sandboxd/session"])
@@ -224,7 +228,7 @@ def test_bad_calls_come_back_as_tool_errors_and_change_nothing(world: World, tra
             assert error_code(await client.call_tool("send_email", {"to": ["not an address"], "subject": "s",
                                                                     "body": "b"})) == "invalid_arguments"
             assert error_code(await client.call_tool("http_get", {"url": "http://203.0.113.9/"})) == "host_not_allowed"
-            bad_key = await client.call_tool("read_file", {"path": "x"}, meta={"sandboxd/idempotencyKey": 7})
+            bad_key = await client.call_tool("read_file", {"path": "x"}, meta=key_meta(7))
             assert error_code(bad_key) == "invalid_arguments"
             # The session still serves, and none of the refused calls ran.
             listing = await client.call_tool("list_dir", {})
@@ -253,7 +257,7 @@ def test_a_retried_send_after_a_client_timeout_is_delivered_once(world: World, t
             assert world.smtp.count == before + 1
             # A distinct idempotency key says "send it again": a second message, once.
             for _ in range(2):
-                await client.call_tool("send_email", mail, meta={"sandboxd/idempotencyKey": "second"})
+                await client.call_tool("send_email", mail, meta=key_meta("second"))
             assert world.smtp.count == before + 2
             sent = [c for c in world.ops.calls(session_of(retried)) if c.tool == "send_email"]
             assert [c.state for c in sent] == ["done", "done"] and sent[0].occurrence == 0 and sent[1].occurrence == 1
@@ -288,10 +292,10 @@ def test_a_held_webhook_completes_when_the_operator_releases_it(world: World, tr
             before = world.http.count
             found: list[str] = []
             operator = operator_decides(world, True, found)
-            progress: list[str | None] = []
+            reports: list[str | None] = []
 
-            async def seen(done: float, total: float | None, message: str | None) -> None:
-                progress.append(message)
+            async def seen(progress: float, total: float | None, message: str | None) -> None:
+                reports.append(message)
 
             result = await client.call_tool("webhook", {"body": {"event": mode, "n": 1}}, progress_callback=seen)
             operator.join()
@@ -299,7 +303,7 @@ def test_a_held_webhook_completes_when_the_operator_releases_it(world: World, tr
             assert result.structured_content["data"]["status"] == 200 and world.http.count == before + 1
             assert result.structured_content["call_id"] == found[0]
             if mode == "legacy":  # the handshake era has no input-required result: the call waits, reporting
-                assert progress and "held" in str(progress[0])
+                assert reports and "held" in str(reports[0])
 
             found.clear()
             operator = operator_decides(world, False, found)
