@@ -11,9 +11,13 @@ the same call. So the MCP layer decides, and gives a retry the agent call id of 
 - Without a key, a call repeats the latest earlier call of the same tool with the same canonical
   arguments (the firewall's canonical JSON for external tools, so key order, whitespace runs and
   number spellings do not matter; exact JSON for sandbox tools, where whitespace is content) while
-  that call is running or held, or within `window_s` seconds after it finished, except that a
-  finished `read` is never repeated (reading again is harmless and must see later writes) and a
-  finished `write` is not repeated once another `write` has started (its result may no longer hold).
+  that call is running or held, and after it finished:
+  - `external`: for `window_s` seconds. Whether the answer reached the client cannot be known for
+    sure (a response written as the client gives up is lost), and a second email cannot be undone.
+  - `write`: for `window_s` seconds if no request ever handed its answer over (the client gave up
+    on every one) and no other `write` has started since (its result may no longer hold). An answer
+    the client got makes the same call again a deliberate new one: `make test` twice runs twice.
+  - `read`: never; reading again is harmless and must see later writes.
 
 So an agent that means to send the same message twice within the window must say so with distinct
 keys. Rejected: the JSON-RPC id (a retry gets a new one); the MCP session id (a client that
@@ -61,6 +65,8 @@ class WindowEntry:
     finished: float | None = None
     stale: bool = False
     """A later write started: a finished write's result may no longer hold."""
+    delivered: bool = False
+    """A request handed the answer over to the client."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,7 +125,7 @@ class RetryWindow:
     def _repeats(self, entry: WindowEntry, now: float) -> bool:
         if entry.finished is None:
             return True
-        if entry.effect == "read" or entry.stale:
+        if entry.effect == "read" or (entry.effect == "write" and (entry.stale or entry.delivered)):
             return False
         return now - entry.finished <= self.window_s
 

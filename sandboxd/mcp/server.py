@@ -98,6 +98,7 @@ def build_server(session: McpSession, options: McpOptions) -> Server[Any]:
                 await _wait_with_progress(ctx, call, options.hold_wait_s)
                 if call.outcome is None:
                     return to_call_tool_result(_still_held(call), session_id=session.session_id)
+        call.entry.delivered = True  # a request that gets this far answers; a cancelled one never does
         return to_call_tool_result(call.outcome, session.take_notices(), session.session_id)
 
     server: Server[Any] = Server("sandboxd", version=__version__, instructions=INSTRUCTIONS,

@@ -65,15 +65,22 @@ def test_finished_reads_are_read_again_and_a_write_ends_a_writes_window() -> Non
     window.finish(read, now=0.1)
     assert window.claim("read_file", "read", {"path": "a"}, None, now=0.2)[1]
     write, _ = window.claim("shell", "write", {"command": "echo >> a"}, None, now=1.0)
-    window.finish(write, now=1.1)
+    window.finish(write, now=1.1)  # the client gave up before the answer: its retry is this call
     assert window.claim("shell", "write", {"command": "echo >> a"}, None, now=2.0)[0] is write
     window.claim("write_file", "write", {"path": "b", "content": ""}, None, now=3.0)
     assert window.claim("shell", "write", {"command": "echo >> a"}, None, now=4.0)[1]
-    # An external call's window is time alone: a write in between does not make a second email.
-    mail, _ = window.claim("send_email", "external", {"to": ["a@b.c"]}, None, now=5.0)
-    window.finish(mail, now=5.1)
-    window.claim("write_file", "write", {"path": "c", "content": ""}, None, now=6.0)
-    assert window.claim("send_email", "external", {"to": ["a@b.c"]}, None, now=7.0)[0] is mail
+    # An answer the client got makes the same command again a deliberate second run.
+    tests, _ = window.claim("shell", "write", {"command": "make test"}, None, now=5.0)
+    window.finish(tests, now=6.0)
+    tests.delivered = True
+    assert window.claim("shell", "write", {"command": "make test"}, None, now=6.5)[1]
+    # An external call's window is time alone: an answer handed over, a write in between, do not make a
+    # second email.
+    mail, _ = window.claim("send_email", "external", {"to": ["a@b.c"]}, None, now=7.0)
+    window.finish(mail, now=7.1)
+    mail.delivered = True
+    window.claim("write_file", "write", {"path": "c", "content": ""}, None, now=8.0)
+    assert window.claim("send_email", "external", {"to": ["a@b.c"]}, None, now=9.0)[0] is mail
 
 
 def test_external_calls_match_on_the_firewalls_canonical_form_sandbox_calls_on_exact_json() -> None:
