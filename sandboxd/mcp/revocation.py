@@ -23,6 +23,7 @@ result to re-record: `splice_to` is the seam it calls.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sandboxd import protocol as p
@@ -50,6 +51,7 @@ async def take_revocation(session: McpSession, info: p.RevocationInfo) -> dict[s
             plan.source_call, plan.source_result or "", {"revoked_by": info.revocation_id}, branch=plan.branch)
         await session.daemon(lambda c: c.record_artifacts(session.session_id, [observation], branch=plan.branch))
         refed = observation.artifact_id
+        _sanitize_answer(session, plan.source_call, plan.source_result or "", refed)
     forget = [aid for aid in discarded if aid != refed]
     notes = [f"the MCP client's context is out of sandboxd's sight: the client must forget the results and calls "
              f"{', '.join(forget) or '(none)'} and read {refed or info.source} as it is now (the revoked part cut "
@@ -62,6 +64,14 @@ async def take_revocation(session: McpSession, info: p.RevocationInfo) -> dict[s
     log.warning("revocation %s of %s taken: %d artifacts discarded, sandbox restored to %s", info.revocation_id,
                 info.source, len(discarded), plan.checkpoint.checkpoint_id)
     return _notice(info, report, forget, refed, plan.source_result if refed else None, agent_ids)
+
+
+def _sanitize_answer(session: McpSession, call_artifact: str, text: str, observation: str) -> None:
+    """A retry of the source's call is answered as the counterfactual call was, never with the target."""
+    for call in session.pending.values():
+        if call.call_artifact == call_artifact and call.outcome is not None:
+            structured = {k: v for k, v in call.outcome.structured.items() if k not in ("data", "stderr")}
+            call.outcome = replace(call.outcome, text=text, structured=structured, observation=observation)
 
 
 def _notice(info: p.RevocationInfo, report: p.RevocationReport, forget: list[str], refed: str | None,

@@ -38,6 +38,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from sandboxd import __version__
 from sandboxd.client import Client
+from sandboxd.errors import SandboxdError
 from sandboxd.mcp.options import McpOptions
 from sandboxd.mcp.retries import idempotency_key
 from sandboxd.mcp.session import McpSession, PendingCall
@@ -282,4 +283,21 @@ async def _watch_signals(stop: anyio.Event) -> None:
 def run(options: McpOptions) -> None:
     """Blocking entry point of `sandboxd mcp`."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="sandboxd mcp: %(message)s")
-    anyio.run(serve, options)
+    try:
+        anyio.run(serve, options)
+    except (SandboxdError, BaseExceptionGroup) as exc:
+        cause = _first_sandboxd_error(exc)
+        if cause is None:
+            raise
+        raise SystemExit(f"sandboxd mcp: {cause}") from exc
+
+
+def _first_sandboxd_error(exc: BaseException) -> SandboxdError | None:
+    """The daemon's refusal inside whatever task groups wrapped it (no session, no daemon, a closed session)."""
+    if isinstance(exc, SandboxdError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _first_sandboxd_error(inner)) is not None:
+                return found
+    return None

@@ -359,7 +359,7 @@ class McpSession:
     # Closing -----------------------------------------------------------------------------------
 
     async def close_session(self) -> None:
-        if self.closed:
+        if self.closed or not self.session_id:
             return
         self.closed = True
         try:

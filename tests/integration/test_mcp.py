@@ -412,3 +412,26 @@ def test_a_retry_after_the_mcp_server_restarted_is_still_delivered_once(world: W
         assert sid in {s.session_id for s in world.ops.sessions()}  # attached, so never closed on exit
     finally:
         world.ops.close_session(sid)
+
+
+def test_the_idle_timeout_closes_the_session_and_stops_the_server(world: World) -> None:
+    server = HttpServer(world, "--idle-timeout", "1")
+
+    async def one_call() -> str:
+        async with http_client(server) as client:
+            return session_of(await client.call_tool("list_dir", {}))
+
+    try:
+        sid = anyio.run(one_call)
+        server.proc.wait(timeout=30)  # it stops by itself
+        assert sid not in {s.session_id for s in world.ops.sessions()}
+    finally:
+        err = server.stop() if server.proc.poll() is None else (server.proc.stderr.read().decode()
+                                                                 if server.proc.stderr else "")
+    assert "idle" in err
+
+
+def test_a_session_that_cannot_be_served_is_a_clear_error(world: World) -> None:
+    done = subprocess.run([sys.executable, *mcp_args(world, "--session", "s-000000000000")], capture_output=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode != 0 and b"sandboxd mcp: " in done.stderr and b"Traceback" not in done.stderr
