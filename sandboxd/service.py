@@ -46,7 +46,7 @@ from sandboxd.errors import (
     to_wire,
 )
 from sandboxd.firewall.flow import tainted_argument
-from sandboxd.firewall.handlers import FirewallHandlers
+from sandboxd.firewall.handlers import FirewallHandlers, result_text
 from sandboxd.firewall.service import Firewall
 from sandboxd.firewall.world import WORLDS, AgentDojoWorld
 from sandboxd.metrics import DaemonMetrics
@@ -324,14 +324,18 @@ class SandboxService:
         return p.CallResponse(request_id=req.request_id, result=result)
 
     def _sanitized(self, session_id: str, result: p.CallResult) -> p.CallResult:
-        """A result with the session's forgotten values excised, before it is recorded or returned."""
-        if not self.state.fingerprints(session_id):
+        """A result with the session's forgotten values excised, before it is recorded or returned.
+
+        Structured data is filtered value by value and the text the agent reads is rendered again from
+        the clean data, so no serialization of it (escaped or not) can carry a forgotten value."""
+        forget = self.revocations.filter(session_id)
+        if not forget:
             return result
-        clean = self.revocations.sanitize
-        return msgspec.structs.replace(result, stdout=clean(session_id, result.stdout),
-                                       stderr=clean(session_id, result.stderr),
-                                       data=json.loads(clean(session_id, json.dumps(result.data)))
-                                       if result.data is not None else None)
+        data = forget.value(result.data) if result.data is not None else None
+        rendered = result.data is not None and result.stdout == result_text(result.data)
+        # The rendering is filtered as text too: a target may span the structure it re-creates.
+        stdout = forget.text(result_text(data) if rendered else result.stdout)
+        return msgspec.structs.replace(result, stdout=stdout, stderr=forget.text(result.stderr), data=data)
 
     def _answer_from_record(self, req: p.CallRequest, record: dict[str, Any]) -> p.CallResult:
         """A retried call id: the recorded answer, never a second run."""

@@ -65,9 +65,14 @@ class StateStore:
             self.db.table("revocations").create(
                 {"revocation_id": str, "session_id": str, "source": str, "target": str, "fingerprint": str,
                  "state": str, "raised_by": str, "tau": int, "T": int, "checkpoint_id": str, "branch": str,
-                 "closure": str, "report": str, "created_at": float, "started_at": float, "suffix": str},
+                 "closure": str, "report": str, "created_at": float, "started_at": float, "suffix": str,
+                 "pieces": str, "error": str},
                 pk="revocation_id", if_not_exists=True,
             )
+            revocations = self.db.table("revocations")
+            for column in ("pieces", "error"):  # a state written by an older daemon lacks them
+                if column not in revocations.columns_dict:
+                    revocations.add_column(column, str)
             self.db.table("forgotten").create({"session_id": str, "fingerprint": str}, if_not_exists=True)
             self.db.table("calls").create_index(["session_id", "seq"], if_not_exists=True)
             self.db.table("snapshots").create_index(["session_id"], if_not_exists=True)

@@ -103,20 +103,24 @@ class FirewallHandlers:
                                       unresolved=report.unresolved, staged=report.staged, held=report.held)
 
 
-def call_result(outcome: FirewallResult) -> p.CallResult:
-    """A firewall outcome as the CallResult every tool returns; the effect's data doubles as stdout.
+def result_text(data: dict[str, Any] | None) -> str:
+    """The text the agent reads for an effect's data: a world tool's `output`, else the data as JSON.
 
-    A world tool's result carries the text its suite shows the agent as `output`: that text is stdout.
-    """
+    Non-ASCII characters stay as they are (a model reads `Ü`, not an escape of it)."""
+    if data is None:
+        return ""
+    if isinstance(data.get("output"), str):
+        return str(data["output"])
+    return json.dumps(data, sort_keys=True, ensure_ascii=False)
+
+
+def call_result(outcome: FirewallResult) -> p.CallResult:
+    """A firewall outcome as the CallResult every tool returns; the effect's data doubles as stdout."""
     data = outcome.result
     failed = outcome.error is not None
-    if data is not None and isinstance(data.get("output"), str):
-        stdout = data["output"]
-    else:
-        stdout = json.dumps(data, sort_keys=True) if data is not None else ""
     return p.CallResult(
         call_id=outcome.call_id, tool=outcome.tool, exit_code=1 if failed else 0,
-        stdout=stdout,
+        stdout=result_text(data),
         stderr=outcome.error or "", state=outcome.state, data=data, deduplicated=outcome.deduplicated,
         shadowed=outcome.shadowed, held=outcome.held, replayed=outcome.deduplicated, simulated=outcome.simulated,
     )

@@ -166,6 +166,16 @@ class ProvenanceStore:
                           f"AND branch = ? AND type IN ({marks})", [session_id, LIVE, *p.OBSERVATION_TYPES])
         return int(rows[0]["t"])
 
+    def observations_before(self, session_id: str, step: int) -> list[p.Artifact]:
+        """Live observations consumed before observation `step`, oldest first."""
+        return [a for a in self.artifacts(session_id) if a.type in p.OBSERVATION_TYPES and a.step < step]
+
+    def observations_from(self, session_id: str, source: str) -> list[p.Artifact]:
+        """The live observation `source` and the observations after it, in the order they were consumed."""
+        observed = [a for a in self.artifacts(session_id) if a.type in p.OBSERVATION_TYPES]
+        index = next((i for i, a in enumerate(observed) if a.artifact_id == source), None)
+        return [] if index is None else observed[index:]
+
     def checkpoint_before(self, session_id: str, step: int) -> p.CheckpointRecord | None:
         """The latest live checkpoint taken before observation `step` was consumed."""
         rows = self._rows(

@@ -12,6 +12,11 @@ candidate is confirmed with the HMAC of the window, so a rolling-hash collision 
 match. The rolling hash's base comes from HMAC(salt, "roll"), so an adversary who can choose the
 text cannot aim collisions at it either.
 
+Texts are matched as decoded, not as serialized (`decoded`): a value that reached a record or a
+tool result JSON-escaped (`\u00dc`, `\n`, `\"`, once or twice) or percent-encoded is found there
+too, through views of the text that undo those encodings and map every match back to the span of
+the original text it covers, so excising it leaves the surrounding serialization intact.
+
 The rolling hash value of the target is stored XOR a mask derived from the salt and the digest.
 Stored in the clear it would be a second, unsalted-in-effect equation in the target: two
 fingerprints of the same length share the secret base, so guessing one target would yield the base
@@ -24,6 +29,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -52,19 +58,26 @@ class RevokedFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     spacefold: bool = False
     """Match with every run of whitespace as one space: the same text re-flowed by a tool (YAML folding
     a long line, indenting a block) is the same text."""
+    decoded: bool = False
+    """Also match in the text's decoded views (JSON escapes undone once and twice, percent-encoding undone):
+    the value as a reader of the text sees it, whatever serialization carried it."""
+    anchor: Literal["", "start", "end"] = ""
+    """Match only at the start or the end of a text (leading/trailing whitespace aside): the piece of a
+    target that was split across two tool results, as each result carries it."""
     version: int = FINGERPRINT_VERSION
 
 
-def fingerprint(target: str, salt: bytes, *, casefold: bool = False, spacefold: bool = False) -> RevokedFingerprint:
+def fingerprint(target: str, salt: bytes, *, casefold: bool = False, spacefold: bool = False,
+                decoded: bool = False, anchor: Literal["", "start", "end"] = "") -> RevokedFingerprint:
     """Fingerprint a revoked target under the daemon's secret salt."""
     _check_salt(salt)
-    view = _View(target, casefold, spacefold).folded
+    view = _View(target).fold(casefold, spacefold).folded
     if not view or (spacefold and view.isspace()):  # all whitespace would match every gap between words
         raise ValueError("cannot fingerprint an empty target")
     digest = _window_digest(view, salt, casefold, spacefold)
     roll = _roll_of(view, _base(salt))
     return RevokedFingerprint(length=len(view), digest=digest, sealed_roll=roll ^ _mask(salt, digest),
-                              casefold=casefold, spacefold=spacefold)
+                              casefold=casefold, spacefold=spacefold, decoded=decoded, anchor=anchor)
 
 
 def find(text: str, fp: RevokedFingerprint, salt: bytes) -> list[tuple[int, int]]:
@@ -97,24 +110,53 @@ def excise(text: str, fps: Iterable[RevokedFingerprint], salt: bytes) -> tuple[s
 
 
 class _View:
-    """The text as matched (case-folded, whitespace-folded or neither) with a map back to the original's
-    character offsets."""
+    """A text as matched (decoded, case-folded, whitespace-folded, or as it is) with a map back to the
+    original text: folded character i came from original characters [starts[i], ends[i])."""
 
-    def __init__(self, text: str, casefold: bool, spacefold: bool = False) -> None:
+    def __init__(self, text: str) -> None:
         self.text = text
         self.folded = text
-        self._origin: list[int] | None = None
-        self._first: list[bool] | None = None
-        self._last: list[bool] | None = None
-        self._runs: tuple[list[int], list[int]] | None = None
-        if casefold:
-            self._fold(text)
-        if spacefold:
-            self._fold_space(self.folded)
+        self._starts: list[int] | None = None  # None: the identity map
+        self._ends: list[int] | None = None
 
-    def _fold_space(self, text: str) -> None:
-        # Each character of the result is a whole piece of `text`: a character, or a whitespace run
-        # folded to one space; `_runs` holds each piece's [start, end) in `text`.
+    def _then(self, out: str, starts: list[int], ends: list[int]) -> _View:
+        """A further view whose character i came from this view's [starts[i], ends[i])."""
+        view = _View(self.text)
+        view.folded = out
+        if self._starts is None or self._ends is None:
+            view._starts, view._ends = starts, ends
+        else:
+            view._starts = [self._starts[s] for s in starts]
+            view._ends = [self._ends[e - 1] for e in ends]
+        return view
+
+    def fold(self, casefold: bool, spacefold: bool) -> _View:
+        """This view case-folded and/or whitespace-folded."""
+        view = self
+        if casefold:
+            view = view._casefolded()
+        if spacefold:
+            view = view._spacefolded()
+        return view
+
+    def _casefolded(self) -> _View:
+        # Full case folding can lengthen a character ("ß" -> "ss"): both pieces map to the one character.
+        pieces = [ch.casefold() for ch in self.folded]
+        out = "".join(pieces)
+        if len(out) == len(self.folded):
+            view = _View(self.text)
+            view.folded, view._starts, view._ends = out, self._starts, self._ends
+            return view
+        starts: list[int] = []
+        ends: list[int] = []
+        for index, piece in enumerate(pieces):
+            starts.extend([index] * len(piece))
+            ends.extend([index + 1] * len(piece))
+        return self._then(out, starts, ends)
+
+    def _spacefolded(self) -> _View:
+        # Each character of the result is a whole piece: a character, or a whitespace run folded to one space.
+        text = self.folded
         parts: list[str] = []
         starts: list[int] = []
         ends: list[int] = []
@@ -129,36 +171,113 @@ class _View:
             ends.append(end)
             position = end
         if not parts:
-            return
+            return self
         parts.append(text[position:])
         starts.extend(range(position, len(text)))
         ends.extend(range(position + 1, len(text) + 1))
-        self.folded = "".join(parts)
-        self._runs = (starts, ends)
+        return self._then("".join(parts), starts, ends)
 
-    def _fold(self, text: str) -> None:
-        # Full case folding can lengthen a character ("ß" -> "ss"), so offsets need a map; it is
-        # built only when some character actually grew.
-        pieces = [ch.casefold() for ch in text]
-        self.folded = "".join(pieces)
-        if len(self.folded) == len(text):
-            return
-        self._origin, self._first, self._last = [], [], []
-        for index, piece in enumerate(pieces):
-            for k in range(len(piece)):
-                self._origin.append(index)
-                self._first.append(k == 0)
-                self._last.append(k == len(piece) - 1)
+    def decoded(self) -> list[_View]:
+        """This view and the views that undo an encoding the text may carry: JSON string escapes (once,
+        and again for a JSON document inside a JSON string) and URL percent-encoding."""
+        views = [self]
+        once = _replaced(self, _JSON_ESCAPE, _json_escape_text)
+        if once is not None:
+            views.append(once)
+            twice = _replaced(once, _JSON_ESCAPE, _json_escape_text)
+            if twice is not None:
+                views.append(twice)
+        percent = _replaced(self, _PERCENT_RUN, _percent_text)
+        if percent is not None:
+            views.append(percent)
+        return views
 
     def span(self, start: int, end: int) -> tuple[int, int] | None:
         """The original span of folded [start, end), or None if it cuts through a folded character."""
-        if self._runs is not None:
-            start, end = self._runs[0][start], self._runs[1][end - 1]
-        if self._origin is None or self._first is None or self._last is None:
+        if self._starts is None or self._ends is None:
             return start, end
-        if not (self._first[start] and self._last[end - 1]):
+        if start > 0 and self._ends[start - 1] > self._starts[start]:
             return None
-        return self._origin[start], self._origin[end - 1] + 1
+        if end < len(self._starts) and self._ends[end - 1] > self._starts[end]:
+            return None
+        return self._starts[start], self._ends[end - 1]
+
+
+# A JSON string escape: \" \\ \/ \b \f \n \r \t, or \uXXXX (a surrogate pair is two of them).
+_JSON_ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})')
+_SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_PERCENT_RUN = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+
+
+def _json_escape_text(match: re.Match[str], text: str) -> list[tuple[str, int, int]]:
+    """The characters one JSON escape stands for, each with its span in `text`."""
+    body = match.group(0)[1:]
+    if body[0] != "u":
+        return [(_SIMPLE_ESCAPES[body], match.start(), match.end())]
+    code = int(body[1:], 16)
+    # A high surrogate followed by an escaped low one is one character, spanning both escapes.
+    if 0xD800 <= code < 0xDC00 and text.startswith("\\u", match.end()):
+        low = text[match.end() + 2 : match.end() + 6]
+        if len(low) == 4 and all(c in "0123456789abcdefABCDEF" for c in low) and 0xDC00 <= int(low, 16) < 0xE000:
+            char = chr(0x10000 + ((code - 0xD800) << 10) + (int(low, 16) - 0xDC00))
+            return [(char, match.start(), match.end() + 6)]
+    return [(chr(code), match.start(), match.end())]
+
+
+def _percent_text(match: re.Match[str], text: str) -> list[tuple[str, int, int]]:
+    """The characters a run of %XX escapes stands for (as UTF-8), each with the span of its escapes."""
+    raw = bytes(int(match.group(0)[i + 1 : i + 3], 16) for i in range(0, len(match.group(0)), 3))
+    out: list[tuple[str, int, int]] = []
+    position = match.start()
+    for char in raw.decode("utf-8", "surrogateescape"):
+        size = 1 if 0xDC80 <= ord(char) <= 0xDCFF else len(char.encode("utf-8"))
+        out.append((char, position, position + 3 * size))
+        position += 3 * size
+    return out
+
+
+def _replaced(view: _View, pattern: re.Pattern[str], expand: object) -> _View | None:
+    """`view` with every match of `pattern` replaced by the characters `expand` says it stands for; None
+    when nothing matches (no view to add). A surrogate pair consumes the escape after it, so matches that
+    an earlier expansion already covered are skipped."""
+    text = view.folded
+    matches = list(pattern.finditer(text))
+    if not matches:
+        return None
+    parts: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    position = 0
+    for match in matches:
+        if match.start() < position:
+            continue
+        parts.append(text[position : match.start()])
+        starts.extend(range(position, match.start()))
+        ends.extend(range(position + 1, match.start() + 1))
+        for char, start, end in expand(match, text):  # type: ignore[operator]
+            parts.append(char)
+            starts.append(start)
+            ends.append(end)
+            position = end
+    parts.append(text[position:])
+    starts.extend(range(position, len(text)))
+    ends.extend(range(position + 1, len(text) + 1))
+    return view._then("".join(parts), starts, ends)
+
+
+def decode_escapes(text: str) -> str:
+    """`text` with its JSON string escapes undone (leniently: anything else is left as it is)."""
+    view = _replaced(_View(text), _JSON_ESCAPE, _json_escape_text)
+    return view.folded if view is not None else text
+
+
+def decode_percent(text: str) -> str:
+    """`text` with its URL percent-encoding undone (leniently; invalid UTF-8 is kept as escapes)."""
+    view = _replaced(_View(text), _PERCENT_RUN, _percent_text)
+    if view is None:
+        return text
+    return "".join(ch if not 0xDC80 <= ord(ch) <= 0xDCFF else text[s:e]
+                   for ch, s, e in zip(view.folded, view._starts or [], view._ends or [], strict=True))
 
 
 def _occurrences(
@@ -168,29 +287,46 @@ def _occurrences(
     for fp in fps:
         if fp.version != FINGERPRINT_VERSION:
             raise ValueError(f"fingerprint version {fp.version} is not supported (want {FINGERPRINT_VERSION})")
-    groups: dict[tuple[int, bool, bool], dict[int, list[RevokedFingerprint]]] = {}
+    groups: dict[tuple[int, bool, bool, bool, str], dict[int, list[RevokedFingerprint]]] = {}
     for fp in fps:
         wanted = fp.sealed_roll ^ _mask(salt, fp.digest)
-        groups.setdefault((fp.length, fp.casefold, fp.spacefold), {}).setdefault(wanted, []).append(fp)
-    views = {(casefold, spacefold): _View(text, casefold, spacefold) for _, casefold, spacefold in groups}
+        key = (fp.length, fp.casefold, fp.spacefold, fp.decoded, fp.anchor)
+        groups.setdefault(key, {}).setdefault(wanted, []).append(fp)
+    raw = _View(text)
+    bases = {False: [raw], True: raw.decoded() if any(key[3] for key in groups) else [raw]}
+    views: dict[tuple[bool, bool, bool], list[_View]] = {}
     base = _base(salt)
     found: list[tuple[int, int, RevokedFingerprint]] = []
-    for (length, casefold, spacefold), by_roll in groups.items():
-        view = views[casefold, spacefold]
-        for start, roll in _candidates(view.folded, length, base, by_roll.keys()):
-            digest = _window_digest(view.folded[start : start + length], salt, casefold, spacefold)
-            for fp in by_roll[roll]:
-                span = view.span(start, start + length) if hmac.compare_digest(digest, fp.digest) else None
-                if span is not None:
-                    found.append((span[0], span[1], fp))
+    for (length, casefold, spacefold, decoded, anchor), by_roll in groups.items():
+        if (casefold, spacefold, decoded) not in views:
+            views[casefold, spacefold, decoded] = [v.fold(casefold, spacefold) for v in bases[decoded]]
+        for view in views[casefold, spacefold, decoded]:
+            for start, roll in _candidates(view.folded, length, base, by_roll.keys(), anchor):
+                digest = _window_digest(view.folded[start : start + length], salt, casefold, spacefold)
+                for fp in by_roll[roll]:
+                    span = view.span(start, start + length) if hmac.compare_digest(digest, fp.digest) else None
+                    if span is not None:
+                        found.append((span[0], span[1], fp))
     return found
 
 
-def _candidates(text: str, length: int, base: int, wanted: Iterable[int]) -> list[tuple[int, int]]:
+def _anchored_starts(text: str, length: int, anchor: str) -> list[int]:
+    """Where an anchored window of `length` may start: at the text's start or end, whitespace aside."""
+    if anchor == "start":
+        start = len(text) - len(text.lstrip())
+        return [start] if start + length <= len(text) else []
+    end = len(text.rstrip())
+    return [end - length] if end - length >= 0 else []
+
+
+def _candidates(text: str, length: int, base: int, wanted: Iterable[int], anchor: str = "") -> list[tuple[int, int]]:
     """(start, hash) of the windows whose rolling hash is one of `wanted`: one pass, O(len(text))."""
     if length > len(text):
         return []
     targets = set(wanted)
+    if anchor:
+        return [(start, roll) for start in _anchored_starts(text, length, anchor)
+                if (roll := _roll_of(text[start : start + length], base)) in targets]
     top = pow(base, length - 1, _MODULUS)
     roll = _roll_of(text[:length], base)
     hits = [(0, roll)] if roll in targets else []

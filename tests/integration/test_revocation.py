@@ -23,6 +23,7 @@ from agent.scenario import Scenario, Task, ToolStep
 from agent.scenarios import INJECTION, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd import protocol as p
 from sandboxd.launcher import DaemonProcess
+from sandboxd.revocation.forgetting import target_forms
 from sandboxd.revocation.leakscan import needles_for, scan_paths
 
 pytestmark = pytest.mark.docker
@@ -112,7 +113,9 @@ def test_replay_equals_a_fresh_run_without_the_target_at_every_step(worlds: tupl
         assert report.calls["fired_twice"] == 0
         assert report.leak_scan["hits"] == 0, f"step {tau}: {report.leak_scan}"
         assert not scan_paths(needles, kept_state(live)).hits
-        in_environment = any(target in content for content in WORKSPACE.values())
+        # Revoking a whole listing forgets the names it lists too, and the workspace holds those.
+        in_environment = any(form in path or form in content for form in target_forms(target)
+                             for path, content in WORKSPACE.items())
         assert bool(report.leak_scan["environment_hits"]) <= in_environment, f"step {tau}: {report.leak_scan}"
         live.client.close_session(agent.session_id)
         reference.client.close_session(fresh.session_id)
