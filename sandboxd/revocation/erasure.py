@@ -86,11 +86,29 @@ AGENT_WROTE_IT = ("written by the agent itself in the replay, from a context tha
                   "counterfactual agent writes it too")
 
 
-def _cells(conn: sqlite3.Connection) -> list[tuple[str, _Column, int, str, dict[str, Any]]]:
-    """(table, column, rowid, text, row) for every text cell of the database."""
+def _session_rows(conn: sqlite3.Connection, table: str, session_id: str | None) -> tuple[str, list[str]]:
+    """The WHERE clause selecting a session's rows of `table` (every row when it names no session)."""
+    columns = {row[1] for row in conn.execute(f'PRAGMA table_info("{table}")')}
+    if session_id is None:
+        return "1", []
+    if "session_id" in columns:
+        return "session_id = ?", [session_id]
+    if "lineage" in columns:
+        return "lineage = ?", [session_id]
+    if table == "ledger_aliases":
+        return "branch IN (SELECT branch FROM ledger_branches WHERE lineage = ?)", [session_id]
+    if table == "ledger_events":
+        return "call_id IN (SELECT call_id FROM ledger_calls WHERE session_id = ?)", [session_id]
+    return "1", []
+
+
+def _cells(conn: sqlite3.Connection, session_id: str | None = None
+           ) -> list[tuple[str, _Column, int, str, dict[str, Any]]]:
+    """(table, column, rowid, text, row) for every text cell of the database (of one session's rows)."""
     cells = []
     for table, columns in _text_columns(conn).items():
-        cursor = conn.execute(f'SELECT rowid AS "__rowid", * FROM "{table}"')
+        where, params = _session_rows(conn, table, session_id)
+        cursor = conn.execute(f'SELECT rowid AS "__rowid", * FROM "{table}" WHERE {where}', params)
         names = [d[0] for d in cursor.description]
         for values in cursor.fetchall():
             row = dict(zip(names, values, strict=True))
@@ -101,15 +119,15 @@ def _cells(conn: sqlite3.Connection) -> list[tuple[str, _Column, int, str, dict[
     return cells
 
 
-def scrub_database(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFilter,
+def scrub_database(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFilter, session_id: str,
                    exempt: Exempt) -> int:
-    """Filter every text cell that holds a forgotten value (keys replaced by a digest) unless `exempt`;
-    returns how many cells changed."""
+    """Filter every text cell of the session's rows that holds a forgotten value (keys replaced by a digest)
+    unless `exempt`; returns how many cells changed."""
     changed = 0
     with lock:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for table, column, rowid, value, row in _cells(conn):
+            for table, column, rowid, value, row in _cells(conn, session_id):
                 if exempt(table, column.name, row) or not forget.holds(value):
                     continue
                 clean = redacted_id(value, forget.salt) if column.key else forget.json_text(value)
@@ -186,11 +204,12 @@ class LeakScan:
 
 
 def scan_cells(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFilter, session_id: str,
-               exempt: Exempt) -> LeakScan:
-    """Every text cell of the database, read as the filter reads it (decoded views, whitespace folded)."""
+               exempt: Exempt, everyone: bool = False) -> LeakScan:
+    """Every text cell of the session's rows (of every row, with `everyone`), read as the filter reads it
+    (decoded views, whitespace folded)."""
     scan = LeakScan()
     with lock:
-        cells = _cells(conn)
+        cells = _cells(conn, None if everyone else session_id)
     for table, column, rowid, value, row in cells:
         scan.locations_checked += 1
         if forget.holds(value):

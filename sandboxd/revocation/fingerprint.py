@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -82,28 +82,78 @@ def fingerprint(target: str, salt: bytes, *, casefold: bool = False, spacefold: 
 
 def find(text: str, fp: RevokedFingerprint, salt: bytes) -> list[tuple[int, int]]:
     """Character spans [start, end) of every occurrence of the fingerprinted target in `text`, overlaps included."""
-    return sorted({(start, end) for start, end, _ in _occurrences(text, [fp], salt)})
+    return sorted({(start, end) for start, end, _ in FingerprintSet([fp], salt).occurrences(text)})
 
 
 def contains(text: str, fps: Iterable[RevokedFingerprint], salt: bytes) -> bool:
     """Whether any of the fingerprinted targets occurs in `text`."""
-    return bool(_occurrences(text, list(fps), salt))
+    return FingerprintSet(fps, salt).contains(text)
 
 
 def excise(text: str, fps: Iterable[RevokedFingerprint], salt: bytes) -> tuple[str, int]:
-    """Remove every occurrence of every fingerprinted target; return the new text and how many were removed.
+    """Remove every occurrence of every fingerprinted target; return the new text and how many were removed."""
+    return FingerprintSet(fps, salt).excise(text)
 
-    Removal can join two halves into a fresh occurrence ("aabb" minus "ab" leaves "ab"), so it
-    repeats until none is left; each round shortens the text, so it ends.
-    """
-    fps = list(fps)
-    removed = 0
-    while True:
-        found = _occurrences(text, fps, salt)
-        if not found:
-            return text, removed
-        removed += len(found)
-        text = _cut(text, _union((start, end) for start, end, _ in found))
+
+class FingerprintSet:
+    """Fingerprints unsealed and grouped once under the salt, for matching many texts."""
+
+    def __init__(self, fps: Iterable[RevokedFingerprint], salt: bytes) -> None:
+        _check_salt(salt)
+        self.salt = salt
+        self.fingerprints = list(fps)
+        self._base = _base(salt)
+        self._groups: dict[tuple[int, bool, bool, bool, str], dict[int, list[RevokedFingerprint]]] = {}
+        for fp in self.fingerprints:
+            if fp.version != FINGERPRINT_VERSION:
+                raise ValueError(f"fingerprint version {fp.version} is not supported (want {FINGERPRINT_VERSION})")
+            wanted = fp.sealed_roll ^ _mask(salt, fp.digest)
+            key = (fp.length, fp.casefold, fp.spacefold, fp.decoded, fp.anchor)
+            self._groups.setdefault(key, {}).setdefault(wanted, []).append(fp)
+        self._decoded = any(key[3] for key in self._groups)
+
+    def __bool__(self) -> bool:
+        return bool(self.fingerprints)
+
+    def contains(self, text: str) -> bool:
+        """Whether any of the targets occurs in `text`."""
+        return bool(self.occurrences(text, first=True))
+
+    def excise(self, text: str) -> tuple[str, int]:
+        """Remove every occurrence of every target; return the new text and how many were removed.
+
+        Removal can join two halves into a fresh occurrence ("aabb" minus "ab" leaves "ab"), so it
+        repeats until none is left; each round shortens the text, so it ends.
+        """
+        removed = 0
+        while True:
+            found = self.occurrences(text)
+            if not found:
+                return text, removed
+            removed += len(found)
+            text = _cut(text, _union((start, end) for start, end, _ in found))
+
+    def occurrences(self, text: str, first: bool = False) -> list[tuple[int, int, RevokedFingerprint]]:
+        """(start, end, fingerprint) of every occurrence in `text`, in original character offsets."""
+        if not self._groups or not text:
+            return []
+        raw = _View(text)
+        bases = {False: [raw], True: raw.decoded() if self._decoded else [raw]}
+        views: dict[tuple[bool, bool, bool], list[_View]] = {}
+        found: list[tuple[int, int, RevokedFingerprint]] = []
+        for (length, casefold, spacefold, decoded, anchor), by_roll in self._groups.items():
+            if (casefold, spacefold, decoded) not in views:
+                views[casefold, spacefold, decoded] = [v.fold(casefold, spacefold) for v in bases[decoded]]
+            for view in views[casefold, spacefold, decoded]:
+                for start, roll in _candidates(view.folded, length, self._base, by_roll.keys(), anchor):
+                    digest = _window_digest(view.folded[start : start + length], self.salt, casefold, spacefold)
+                    for fp in by_roll[roll]:
+                        span = view.span(start, start + length) if hmac.compare_digest(digest, fp.digest) else None
+                        if span is not None:
+                            found.append((span[0], span[1], fp))
+                            if first:
+                                return found
+        return found
 
 
 # Internals ----------------------------------------------------------------------------------
@@ -278,36 +328,6 @@ def decode_percent(text: str) -> str:
         return text
     return "".join(ch if not 0xDC80 <= ord(ch) <= 0xDCFF else text[s:e]
                    for ch, s, e in zip(view.folded, view._starts or [], view._ends or [], strict=True))
-
-
-def _occurrences(
-    text: str, fps: Sequence[RevokedFingerprint], salt: bytes
-) -> list[tuple[int, int, RevokedFingerprint]]:
-    _check_salt(salt)
-    for fp in fps:
-        if fp.version != FINGERPRINT_VERSION:
-            raise ValueError(f"fingerprint version {fp.version} is not supported (want {FINGERPRINT_VERSION})")
-    groups: dict[tuple[int, bool, bool, bool, str], dict[int, list[RevokedFingerprint]]] = {}
-    for fp in fps:
-        wanted = fp.sealed_roll ^ _mask(salt, fp.digest)
-        key = (fp.length, fp.casefold, fp.spacefold, fp.decoded, fp.anchor)
-        groups.setdefault(key, {}).setdefault(wanted, []).append(fp)
-    raw = _View(text)
-    bases = {False: [raw], True: raw.decoded() if any(key[3] for key in groups) else [raw]}
-    views: dict[tuple[bool, bool, bool], list[_View]] = {}
-    base = _base(salt)
-    found: list[tuple[int, int, RevokedFingerprint]] = []
-    for (length, casefold, spacefold, decoded, anchor), by_roll in groups.items():
-        if (casefold, spacefold, decoded) not in views:
-            views[casefold, spacefold, decoded] = [v.fold(casefold, spacefold) for v in bases[decoded]]
-        for view in views[casefold, spacefold, decoded]:
-            for start, roll in _candidates(view.folded, length, base, by_roll.keys(), anchor):
-                digest = _window_digest(view.folded[start : start + length], salt, casefold, spacefold)
-                for fp in by_roll[roll]:
-                    span = view.span(start, start + length) if hmac.compare_digest(digest, fp.digest) else None
-                    if span is not None:
-                        found.append((span[0], span[1], fp))
-    return found
 
 
 def _anchored_starts(text: str, length: int, anchor: str) -> list[int]:

@@ -21,11 +21,10 @@ from typing import Any
 import msgspec
 
 from sandboxd.revocation.fingerprint import (
+    FingerprintSet,
     RevokedFingerprint,
-    contains,
     decode_escapes,
     decode_percent,
-    excise,
     fingerprint,
 )
 
@@ -124,17 +123,18 @@ class ForgetFilter:
     def __init__(self, fingerprints: Iterable[RevokedFingerprint], salt: bytes) -> None:
         self.fingerprints = list(fingerprints)
         self.salt = salt
+        self._set = FingerprintSet(self.fingerprints, salt)
 
     def __bool__(self) -> bool:
         return bool(self.fingerprints)
 
     def text(self, text: str) -> str:
         """`text` with every forgotten value excised."""
-        return excise(text, self.fingerprints, self.salt)[0] if self.fingerprints and text else text
+        return self._set.excise(text)[0] if self.fingerprints and text else text
 
     def holds(self, text: str) -> bool:
         """Whether a forgotten value occurs in `text`, in any of its decoded views."""
-        return bool(self.fingerprints and text) and contains(text, self.fingerprints, self.salt)
+        return bool(self.fingerprints and text) and self._set.contains(text)
 
     def value(self, value: Any) -> Any:
         """`value` (str, list, tuple, dict with its keys, struct) with every string filtered."""

@@ -295,8 +295,9 @@ class RevocationOperator:
             db.table("revocations").update(row["revocation_id"], {"state": "committed", "target": None,
                                                                   "pieces": None})
         self._settle_other_revocations(sid, row["revocation_id"])
-        forget = self.filter(sid)
-        scrub_database(self.state.conn, self.state.lock, forget, self._replayed_by_agent(row))
+        # This target's forms only: the session's earlier revocations were scrubbed when they committed.
+        forget = target_filter(target, pieces, self.salt)
+        scrub_database(self.state.conn, self.state.lock, forget, sid, self._replayed_by_agent(row))
         scrub_log(self.service.config.state_path / "sandboxd.log", forget)
         self.state.purge()
         scan = self._leak_scan(sid, target, pieces, engine_context, row)
@@ -444,11 +445,18 @@ class RevocationOperator:
         wanted = target_filter(target, pieces, self.salt)
         needles = byte_needles(target, pieces)
         state = self.service.config.state_path
-        scan = scan_cells(self.state.conn, self.state.lock, wanted, sid, self._replayed_by_agent(row))
-        foreign = [reason for _, reason in scan.found if reason]
+        exempt = self._replayed_by_agent(row)
+        scan = scan_cells(self.state.conn, self.state.lock, wanted, sid, exempt)
         shared = [path for path in state.iterdir() if path.name not in ("snapshots", WORLDS)]
-        db_reason = foreign[0] if foreign and not scan.unexplained else ""
-        for hit in scan_paths(needles, shared).hits:
+        db_hits = scan_paths(needles, shared).hits
+        if any(Path(h.location).name.startswith("state.db") for h in db_hits) and not scan.found:
+            # Bytes in the database that no cell of this session explains: another session's rows, or pages
+            # a vacuum has not rewritten yet. Only now is every session's record read to tell which.
+            others = scan_cells(self.state.conn, self.state.lock, wanted, sid, exempt, everyone=True)
+            scan.found += [(where, reason) for where, reason in others.found if reason.startswith("another")]
+        explained = [reason for _, reason in scan.found if reason]
+        db_reason = explained[0] if explained and not scan.unexplained else ""
+        for hit in db_hits:
             name = Path(hit.location).relative_to(state).as_posix()
             scan.add(f"{name}@{hit.offset}", db_reason if name.startswith("state.db") else "")
         scan.locations_checked += len(shared)
