@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +49,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
         run(config, verbose=args.verbose)
     except SandboxdError as exc:  # an engine that cannot run the sandboxes as configured
         raise SystemExit(f"sandboxd serve: {exc}") from exc
+
+
+def cmd_mcp(args: argparse.Namespace) -> None:
+    try:
+        from sandboxd.mcp.options import McpOptions
+        from sandboxd.mcp.server import run
+    except ImportError as exc:  # the SDK is an extra
+        raise SystemExit(f"sandboxd mcp: the MCP SDK is not installed ({exc}): pip install 'sandboxd[mcp]'") from exc
+    try:
+        options = McpOptions(
+            transport=args.transport, host=args.host, port=args.port, path=args.path, token=args.token,
+            allow_remote=args.allow_remote, session=args.session, image=args.image,
+            close_on_exit=args.close_on_exit, idle_timeout_s=args.idle_timeout, retry_window_s=args.retry_window,
+            hold_poll_s=args.hold_poll, hold_wait_s=args.hold_wait, close_tool=args.close_tool,
+            endpoint=args.endpoint, server_key=args.server_key, client_key=args.client_key, wait_s=args.wait)
+    except ValueError as exc:
+        raise SystemExit(f"sandboxd mcp: {exc}") from exc
+    run(options)
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -213,6 +232,30 @@ def parser() -> argparse.ArgumentParser:
     keys.add_argument("--name", required=True, help="base name of the files, e.g. server or agent-a")
     keys.add_argument("--force", action="store_true", help="replace existing files")
     keys.set_defaults(func=cmd_keys, client=False)
+
+    mcp = sub.add_parser("mcp", parents=[common], help="serve one session's tools over MCP (stdio or HTTP)")
+    mcp.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    mcp.add_argument("--host", default="127.0.0.1", help="http: address to bind (loopback unless --allow-remote)")
+    mcp.add_argument("--port", type=int, default=8765, help="http: port to bind")
+    mcp.add_argument("--path", default="/mcp", help="http: the endpoint's path")
+    mcp.add_argument("--token", default=os.environ.get("SANDBOXD_MCP_TOKEN"),
+                     help="http: bearer token clients present (default: $SANDBOXD_MCP_TOKEN, else generated "
+                          "and printed on stderr)")
+    mcp.add_argument("--allow-remote", action="store_true", help="http: allow a non-loopback --host")
+    mcp.add_argument("--session", help="attach to this open session (default: open a new one)")
+    mcp.add_argument("--image", help="image of a new session")
+    mcp.add_argument("--close-on-exit", action=argparse.BooleanOptionalAction, default=None,
+                     help="close the session when the server stops (default: only a session it opened)")
+    mcp.add_argument("--idle-timeout", type=float, default=0.0, metavar="SECONDS",
+                     help="close the session and stop after this long without a request (0: never)")
+    mcp.add_argument("--retry-window", type=float, default=60.0, metavar="SECONDS",
+                     help="an identical call this soon after an answer is a retry of it")
+    mcp.add_argument("--hold-poll", type=float, default=20.0, metavar="SECONDS",
+                     help="2026-07-28 clients: how long one round waits for an operator's decision")
+    mcp.add_argument("--hold-wait", type=float, default=600.0, metavar="SECONDS",
+                     help="older clients: how long one call waits for an operator's decision")
+    mcp.add_argument("--close-tool", action="store_true", help="offer the model a tool that closes the session")
+    mcp.set_defaults(func=cmd_mcp, client=False)
 
     def add(name: str, func: Callable[..., None], help_text: str) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, parents=[common], help=help_text)

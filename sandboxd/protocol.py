@@ -46,6 +46,12 @@ class ToolManifest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     parameters: dict[str, Any]
     effect: EffectClass
     intent_fields: list[str] = []
+    destructive: bool | None = None
+    """Whether a call may destroy or overwrite what is there (not only add to it); None: unknown, which an
+    MCP client must read as true. An email adds a message; an HTTP DELETE destroys."""
+    open_world: bool | None = None
+    """Whether the tool reaches beyond the sandbox; None: only `external` tools do. A read served by the
+    firewall (`http_get`, a world's read tools) reads the open world."""
 
     def openai_format(self) -> dict[str, Any]:
         """The manifest as an OpenAI `tools[]` entry."""

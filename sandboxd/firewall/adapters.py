@@ -115,6 +115,7 @@ SEND_EMAIL = ToolManifest(
         "additionalProperties": False,
     },
     effect="external",
+    destructive=False,  # a message is added to a mailbox; nothing there is changed
     intent_fields=["to", "subject", "body"],
 )
 
@@ -215,6 +216,7 @@ HTTP_REQUEST = ToolManifest(
         "additionalProperties": False,
     },
     effect="external",
+    destructive=True,  # PUT replaces, DELETE removes
     intent_fields=["method", "url", "body"],
 )
 
@@ -228,6 +230,7 @@ HTTP_GET = ToolManifest(
         "additionalProperties": False,
     },
     effect="read",
+    open_world=True,
 )
 
 WEBHOOK = ToolManifest(
@@ -241,6 +244,7 @@ WEBHOOK = ToolManifest(
         "additionalProperties": False,
     },
     effect="external",
+    destructive=True,  # the far side decides what a POST does
     intent_fields=["body"],
 )
 

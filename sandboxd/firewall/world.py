@@ -144,7 +144,7 @@ class AgentDojoWorld:
             external = function.name in STATE_CHANGING
             manifests.append(ToolManifest(
                 name=function.name, description=function.description or function.name, parameters=schema,
-                effect="external" if external else "read",
+                effect="external" if external else "read", open_world=True,
                 intent_fields=sorted(schema.get("properties", {})) if external else []))
         return manifests
 
