@@ -26,7 +26,8 @@ def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = Fals
     session.flush()
     plan = session.client.begin_revocation(revocation_id)
     before = session.backend.meter
-    session.resume(plan.checkpoint, plan.context, [Exogenous(type=i.type, text=i.text) for i in plan.inputs])
+    session.resume(plan.checkpoint, session.context_of(plan.checkpoint),
+                   [Exogenous(type=i.type, text=i.text) for i in plan.inputs])
     session.branch, session.mode = plan.branch, "shadow"
     session.source_result = (plan.source_call, plan.source_result or "") if plan.source_call else None
     session.calls_made = []
@@ -49,8 +50,7 @@ def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = Fals
         tokens=p.TokenCounts(reused_prefix=plan.checkpoint.token_offset, prefilled=used.prefilled,
                              decoded=used.decoded, full_reset=len(session.backend)),
         transitions_replayed=final_step - plan.checkpoint.step, final_step=final_step, answer=session.answer(),
-        call_counts=counts, engine_context=session.backend.detokenize(session.backend.token_ids()),
-        agent_notes=notes,
+        call_counts=counts, agent_notes=notes,
     ))
 
 

@@ -268,11 +268,27 @@ class AgentSession:
 
     # Resuming ----------------------------------------------------------------------------------
 
+    def context_of(self, checkpoint: p.CheckpointRecord) -> list[p.Artifact]:
+        """The blocks of a checkpoint's manifest, as recorded: from this session's own blocks, or, for an agent
+        that does not hold them (a new process), from the daemon's graph."""
+        held = {b.artifact_id: b for b in self.blocks}
+        if all(aid in held for aid in checkpoint.manifest):
+            return [artifact_of(held[aid]) for aid in checkpoint.manifest]
+        recorded = {a.artifact_id: a for a in self.client.graph(self.session_id).artifacts}
+        return [recorded[aid] for aid in checkpoint.manifest]
+
     def resume(self, checkpoint: p.CheckpointRecord, context: list[p.Artifact], inputs: Iterable[Exogenous]) -> None:
         """Restore the model cache and the blocks to a checkpoint; queue the inputs that follow it."""
         self.backend.restore(Checkpoint(offset=checkpoint.token_offset, cache_handle=checkpoint.cache_handle))
         self.blocks = [block_of(a) for a in context]
         self.queue = collections.deque(inputs)
+
+
+def artifact_of(block: Block) -> p.Artifact:
+    """The recorded shape of a context block (what `block_of` reads back)."""
+    parents = [block.answers] if block.answers else [block.injects] if block.injects else []
+    return p.Artifact(artifact_id=block.artifact_id, type=block.type, parents=parents,  # type: ignore[arg-type]
+                      token_span=block.span, content=block.text)
 
 
 def block_of(artifact: p.Artifact) -> Block:

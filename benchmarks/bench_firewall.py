@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aiosmtpd.controller import Controller  # noqa: E402
 
-from sandboxd.firewall import Firewall, FirewallConfig, SmtpAdapter, SmtpConfig, open_database  # noqa: E402
+from sandboxd.db import Database  # noqa: E402
+from sandboxd.firewall import Firewall, FirewallConfig, SmtpAdapter, SmtpConfig  # noqa: E402
 from sandboxd.firewall.ledger import CallRecord  # noqa: E402
 
 
@@ -72,9 +72,9 @@ def measure_latency(firewall: Firewall, adapter: SmtpAdapter, n: int, run: str) 
 
 
 def measure_throughput(workdir: Path, intents: int) -> tuple[float, float]:
-    db = open_database(str(workdir / "throughput.db"))
+    db = Database(str(workdir / "throughput.db"))
     firewall = Firewall(
-        FirewallConfig(smtp=SmtpConfig(port=1), release={"send_email": "manual"}), db, threading.RLock()
+        FirewallConfig(smtp=SmtpConfig(port=1), release={"send_email": "manual"}), db
     )
     start = time.perf_counter()
     for i in range(intents):
@@ -117,9 +117,9 @@ def main() -> None:
     controller.start()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         workdir = Path(tmp)
-        db = open_database(str(workdir / "latency.db"))
+        db = Database(str(workdir / "latency.db"))
         smtp = SmtpConfig(port=port)
-        firewall = Firewall(FirewallConfig(smtp=smtp), db, threading.RLock())
+        firewall = Firewall(FirewallConfig(smtp=smtp), db)
         adapter = SmtpAdapter(smtp, 5.0)
         try:
             # Warm-up: imports, page cache, first connections.

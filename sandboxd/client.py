@@ -162,16 +162,6 @@ class Client:
         req = p.DropTurnRequest(request_id=self._rid(), session_id=session_id, turn=turn)
         return self.request(req, p.DropTurnResponse).dropped
 
-    def begin_replay(self, session_id: str, from_turn: int | None = None) -> str:
-        """Open a replay branch of the session's ledger; returns its id."""
-        req = p.BeginReplayRequest(request_id=self._rid(), session_id=session_id, from_turn=from_turn)
-        return self.request(req, p.BeginReplayResponse).branch
-
-    def finish_replay(self, session_id: str, branch: str, commit: bool) -> p.FinishReplayResponse:
-        """Commit or abandon a replay branch; the reply lists orphaned and staged effects."""
-        req = p.FinishReplayRequest(request_id=self._rid(), session_id=session_id, branch=branch, commit=commit)
-        return self.request(req, p.FinishReplayResponse)
-
     def record_artifacts(self, session_id: str, artifacts: list[p.Artifact], branch: str = "") -> int:
         req = p.RecordArtifactsRequest(request_id=self._rid(), session_id=session_id, artifacts=artifacts,
                                        branch=branch)
@@ -204,6 +194,20 @@ class Client:
 
     def commit_revocation(self, req: p.CommitRevocationRequest) -> p.RevocationReport:
         return self.request(req, p.CommitRevocationResponse).report
+
+    def wait_events(self, session_id: str, after: int = 0, epoch: str = "",
+                    timeout_s: float = 30.0) -> p.EventsResponse:
+        """Wait (up to `timeout_s`) for the session's events after `after`; the reply's epoch and last seq are
+        what to pass next time."""
+        req = p.WaitEventsRequest(request_id=self._rid(), session_id=session_id, after=after, epoch=epoch,
+                                  timeout_s=timeout_s)
+        reply = self.send_raw(p.encode(req), timeout_ms=int((timeout_s + 30.0) * 1000))
+        if isinstance(reply, p.ErrorResponse):
+            raise RemoteError(reply.code, reply.message, reply.details)
+        if not isinstance(reply, p.EventsResponse) or reply.request_id != req.request_id:
+            self.close()
+            raise DaemonUnreachable(f"expected the EventsResponse of {req.request_id}, got {type(reply).__name__}")
+        return reply
 
     def revocation_status(self, revocation_id: str) -> p.RevocationStatusResponse:
         req = p.RevocationStatusRequest(request_id=self._rid(), revocation_id=revocation_id)

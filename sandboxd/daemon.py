@@ -10,11 +10,11 @@ import time
 from typing import Any
 
 from sandboxd.config import DaemonConfig
+from sandboxd.db import Database
 from sandboxd.metrics import MetricsServer, parse_metrics_address
 from sandboxd.sandbox.containers import ContainerManager
 from sandboxd.server import Server
-from sandboxd.service import SandboxService
-from sandboxd.state import StateStore
+from sandboxd.service import Service
 from snapshots import open_store
 
 
@@ -45,16 +45,16 @@ def setup_logging(config: DaemonConfig, verbose: bool = False) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def build(config: DaemonConfig) -> tuple[SandboxService, Server]:
+def build(config: DaemonConfig) -> tuple[Service, Server]:
     """Open the state, recover from any crash, and return a ready service and server."""
     config.state_path.mkdir(parents=True, exist_ok=True)
     config.state_path.chmod(0o700)
-    state = StateStore(config.state_path / "state.db")
+    db = Database(config.state_path / "state.db")
     store = open_store(config.snapshot_backend, config.state_path / "snapshots", config.max_layers,
                        config.sandbox.disk_mb)
     containers = ContainerManager(config)
     containers.check_runtime()
-    service = SandboxService(config, state, store, containers)
+    service = Service(config, db, containers, store)
     service.recover()
     return service, Server(config, service)
 
@@ -76,4 +76,4 @@ def run(config: DaemonConfig, verbose: bool = False) -> None:
     finally:
         if metrics is not None:
             metrics.stop()  # before the state closes: a scrape reads it
-        service.state.close()
+        service.db.close()

@@ -183,7 +183,7 @@ FIREWALL_EVENTS = ("deduplicated", "fired", "staged", "orphaned")
 
 
 class DaemonMetrics:
-    """What `SandboxService` counts, and what it reads from its parts when scraped."""
+    """What the daemon counts at its error boundary, and what it reads from its parts when scraped."""
 
     def __init__(self, firewall_stats: Callable[[], Any], open_sessions: Callable[[], int],
                  effect_of: Callable[[str], str | None]) -> None:

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from sandboxd.errors import ErrorCode, ProtocolError
+from sandboxd.errors import ErrorCode, ProtocolError, to_wire
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 EffectClass = Literal["read", "write", "external"]
 
@@ -204,9 +204,13 @@ class RevocationInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_id: str
     source: str
     state: str
+    """pending, replaying (its branch is open), committing, done, failed or cancelled."""
     raised_by: str
     tau: int
     checkpoint_id: str | None = None
+    branch: str | None = None
+    error: str | None = None
+    """Why a failed revocation failed."""
 
 
 class RevocationReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -313,21 +317,6 @@ class WorldStateRequest(_Request):
     session_id: str
 
 
-class BeginReplayRequest(_Request):
-    """Open a replay branch: shadow calls in it count intent occurrences from zero again."""
-
-    session_id: str
-    from_turn: Count | None = None
-
-
-class FinishReplayRequest(_Request):
-    """Commit the replay branch (it becomes the live one) or abandon it."""
-
-    session_id: str
-    branch: str
-    commit: bool
-
-
 class RecordArtifactsRequest(_Request):
     """Report artifacts of a session to the provenance store (idempotent per artifact id)."""
 
@@ -385,14 +374,22 @@ class CommitRevocationRequest(_Request):
     answer: str | None = None
     call_counts: dict[str, int] = {}
     """The agent's view of its replayed calls: reexecuted, deduplicated, shadowed."""
-    engine_context: str = ""
-    """The agent's context after the replay (its engine cache and memory), scanned for the target."""
     agent_notes: list[str] = []
     """What the agent could not erase itself (an SGLang radix cache keeps entries until evicted)."""
 
 
 class RevocationStatusRequest(_Request):
     revocation_id: str
+
+
+class WaitEventsRequest(_Request):
+    """Long-poll: answered as soon as the session has an event after `after` (of this daemon run, `epoch`),
+    or when `timeout_s` runs out with none. An agent learns of a pending revocation this way."""
+
+    session_id: str
+    after: Count = 0
+    epoch: str = ""
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 30.0
 
 
 class ResolveCallRequest(_Request):
@@ -496,22 +493,6 @@ class ResolveCallResponse(_Response):
     call: LedgerCall
 
 
-class BeginReplayResponse(_Response):
-    branch: str
-
-
-class FinishReplayResponse(_Response):
-    branch: str
-    committed: bool
-    orphaned: list[str]
-    """Fired in the replaced branch, never reached by the replay: they need compensation."""
-    dropped: list[str]
-    unresolved: list[str]
-    staged: list[str]
-    held: list[str] = []
-    """The replay's own calls to held tools: waiting for their turn's commit or an operator, or dropped."""
-
-
 class RecordArtifactsResponse(_Response):
     recorded: int
 
@@ -549,8 +530,7 @@ class BeginRevocationResponse(_Response):
     revocation_id: str
     branch: str
     checkpoint: CheckpointRecord
-    context: list[Artifact]
-    """The blocks of the checkpoint's manifest, with their recorded content and token spans."""
+    """The splice point; its manifest names the context blocks (the agent holds them, or reads the graph)."""
     inputs: list[ExogenousInput]
     """Exogenous inputs after the checkpoint, in order, with the target excised."""
     source_call: str | None = None
@@ -572,6 +552,21 @@ class WorldResponse(_Response):
     suite: str
     environment: bytes
     """The environment, pickled (AgentDojo's JSON round trip loses data); only the daemon unpickles its own."""
+
+
+class Event(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Something a session's agent must react to: a revocation raised, a held call decided."""
+
+    seq: Count
+    kind: Literal["revocation", "call"]
+    subject: str
+    """The revocation id, or the call id."""
+
+
+class EventsResponse(_Response):
+    epoch: str
+    """This daemon run's id: after a restart the sequence starts again, so a client resets `after`."""
+    events: list[Event]
 
 
 class ErrorResponse(_Response):
@@ -598,8 +593,6 @@ Request = (
     | ReleaseCallRequest
     | DropCallRequest
     | ResolveCallRequest
-    | BeginReplayRequest
-    | FinishReplayRequest
     | RecordArtifactsRequest
     | CheckpointRequest
     | ProvenanceRequest
@@ -609,6 +602,7 @@ Request = (
     | BeginRevocationRequest
     | CommitRevocationRequest
     | RevocationStatusRequest
+    | WaitEventsRequest
     | WorldResetRequest
     | WorldStateRequest
 )
@@ -631,8 +625,6 @@ Response = (
     | ReleaseCallResponse
     | DropCallResponse
     | ResolveCallResponse
-    | BeginReplayResponse
-    | FinishReplayResponse
     | RecordArtifactsResponse
     | CheckpointResponse
     | ProvenanceResponse
@@ -642,6 +634,7 @@ Response = (
     | BeginRevocationResponse
     | CommitRevocationResponse
     | RevocationStatusResponse
+    | EventsResponse
     | WorldResponse
     | ErrorResponse
 )
@@ -711,3 +704,10 @@ def request_id_of(frame: bytes) -> str:
     except (msgspec.DecodeError, RecursionError):
         return ""
     return _request_id(raw) if isinstance(raw, dict) else ""
+
+
+def error_response(request_id: str, error: BaseException) -> ErrorResponse:
+    """The one mapping from an exception to the error reply."""
+    code, message, details = to_wire(error)
+    return ErrorResponse(request_id=request_id, code=code.value, message=message,
+                         details=msgspec.to_builtins(details))

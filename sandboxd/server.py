@@ -4,6 +4,10 @@ The socket thread owns the ROUTERs (ZeroMQ sockets are not thread-safe). Cheap r
 inline; the rest go to a worker pool, whose threads hand their replies back through an inproc
 PUSH/PULL pair that the socket thread polls alongside the ROUTERs.
 
+A `WaitEvents` long-poll is parked on the socket thread, not on a worker: it is answered when an event
+of its session is published (the publishing thread wakes the socket thread through an inproc pair) or
+when its wait runs out, so any number of agents can wait without taking a worker each.
+
 There are one or two ROUTERs, and which one a request arrives on says who sent it (`sandboxd.auth`):
 the owner-only ipc socket, whose peer is the local owner, always; and with a tcp:// endpoint a CURVE
 socket, whose ZAP handler admits only allowlisted keys and whose peers are named by their key.
@@ -16,10 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import zmq
 
@@ -27,11 +33,36 @@ from sandboxd import protocol as p
 from sandboxd.auth import LOCAL_PEER, Peer, ServerKeys, ZapHandler
 from sandboxd.config import DaemonConfig
 from sandboxd.errors import ErrorCode, ProtocolError
-from sandboxd.service import SandboxService, error_response
 
 log = logging.getLogger("sandboxd")
 
 _REPLIES = "inproc://sandboxd-replies"
+_WAKES = "inproc://sandboxd-wakes"
+
+
+class Handler(Protocol):
+    """What the server serves: the daemon's requests (`sandboxd.service.Service`)."""
+
+    INLINE: tuple[type[Any], ...]
+    metrics: Any
+    events: Any
+
+    def handle(self, request: p.Request, peer: Peer) -> p.Response: ...
+
+    def wait_events(self, request: p.WaitEventsRequest, peer: Peer) -> p.Response | None: ...
+
+    def no_events(self, request: p.WaitEventsRequest) -> p.Response: ...
+
+
+@dataclass
+class _Parked:
+    """A long-poll waiting for its session's next event."""
+
+    index: int
+    envelope: list[bytes]
+    request: p.WaitEventsRequest
+    peer: Peer
+    deadline: float
 
 
 @dataclass
@@ -43,15 +74,17 @@ class _Listener:
 
 
 class Server:
-    """Serves one `SandboxService` on the configured endpoints until `stop()`."""
+    """Serves one `Handler` on the configured endpoints until `stop()`."""
 
-    def __init__(self, config: DaemonConfig, service: SandboxService) -> None:
+    def __init__(self, config: DaemonConfig, service: Handler) -> None:
         self.config = config
         self.service = service
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="sandboxd-worker")
         self.keys = ServerKeys.load(config.auth) if config.endpoint.startswith("tcp://") else None
+        self._parked: list[_Parked] = []
+        service.events.listen(self._wake)
 
     def stop(self) -> None:
         self._stop.set()
@@ -64,25 +97,37 @@ class Server:
             listeners.append(_Listener(self._bind_curve(self.keys), self._curve_peer))
         replies = self.ctx.socket(zmq.PULL)
         replies.bind(_REPLIES)
+        wakes = self.ctx.socket(zmq.PULL)
+        wakes.bind(_WAKES)
         poller = zmq.Poller()
         for listener in listeners:
             poller.register(listener.socket, zmq.POLLIN)
         poller.register(replies, zmq.POLLIN)
+        poller.register(wakes, zmq.POLLIN)
         log.info("sandboxd serving on %s", ", ".join(sorted({self.config.local_endpoint, self.config.endpoint})))
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(200))
                 if replies in events:
                     self._forward_replies(replies, listeners)
+                woken = set()
+                while wakes.poll(0):
+                    woken.add(wakes.recv().decode())
+                self._answer_parked(listeners, woken)
                 for index, listener in enumerate(listeners):
                     while listener.socket in events and listener.socket.poll(0):
                         self._receive(index, listener, listener.socket.recv_multipart(copy=False))
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._forward_replies(replies, listeners)
+            for parked in self._parked:  # stopping: every waiter hears now, rather than at its timeout
+                listeners[parked.index].socket.send_multipart(
+                    [*parked.envelope, p.encode(self.service.no_events(parked.request))])
+            self._parked = []
             for listener in listeners:
                 listener.socket.close()
             replies.close()
+            wakes.close()
             if zap is not None:
                 zap.stop()  # only now: a CURVE socket without its ZAP handler would admit anyone
             self.ctx.term()
@@ -140,19 +185,51 @@ class Server:
         envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].bytes
         if len(envelope) > 2 or (len(envelope) == 2 and envelope[1] != b""):
             bad = ProtocolError(ErrorCode.BAD_FRAME, "a request is exactly one message frame")
-            router.send_multipart([envelope[0], p.encode(error_response(p.request_id_of(payload), bad))])
+            router.send_multipart([envelope[0], p.encode(p.error_response(p.request_id_of(payload), bad))])
             return
         try:
             request = p.decode_request(payload, self.config.max_frame_bytes)
         except ProtocolError as exc:
             log.info("rejected frame: %s", exc)
             self.service.metrics.errors.inc(exc.code.value)
-            router.send_multipart([*envelope, p.encode(error_response(p.request_id_of(payload), exc))])
+            router.send_multipart([*envelope, p.encode(p.error_response(p.request_id_of(payload), exc))])
             return
-        if isinstance(request, SandboxService.INLINE):
+        if isinstance(request, p.WaitEventsRequest):
+            self._park(index, envelope, request, peer, router)
+        elif isinstance(request, self.service.INLINE):
             router.send_multipart([*envelope, p.encode(self.service.handle(request, peer))])
         else:
             self._pool.submit(self._work, index, envelope, request, peer)
+
+    def _park(self, index: int, envelope: list[bytes], request: p.WaitEventsRequest, peer: Peer,
+              router: zmq.Socket[bytes]) -> None:
+        reply = self.service.wait_events(request, peer)
+        if reply is not None:
+            router.send_multipart([*envelope, p.encode(reply)])
+            return
+        self._parked.append(_Parked(index, envelope, request, peer, time.monotonic() + request.timeout_s))
+
+    def _answer_parked(self, listeners: list[_Listener], woken: set[str]) -> None:
+        """Answer the parked long-polls whose session had an event, or whose wait ran out."""
+        now, waiting = time.monotonic(), []
+        for parked in self._parked:
+            reply = self.service.wait_events(parked.request, parked.peer) \
+                if parked.request.session_id in woken else None
+            if reply is None and now >= parked.deadline:
+                reply = self.service.no_events(parked.request)
+            if reply is None:
+                waiting.append(parked)
+            else:
+                listeners[parked.index].socket.send_multipart([*parked.envelope, p.encode(reply)])
+        self._parked = waiting
+
+    def _wake(self, session_id: str) -> None:
+        """Called by the thread that published an event: the socket thread answers the session's waiters."""
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(_WAKES)
+        push.send(session_id.encode())
+        push.close()
 
     def _work(self, index: int, envelope: list[bytes], request: p.Request, peer: Peer) -> None:
         try:

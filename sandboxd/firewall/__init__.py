@@ -14,7 +14,7 @@ from sandboxd.firewall.adapters import (
 )
 from sandboxd.firewall.config import FirewallConfig, HttpConfig, SmtpConfig, WebhookConfig, parse_config
 from sandboxd.firewall.intent import canonical_json, derive_call_id, intent_key
-from sandboxd.firewall.ledger import CallRecord, HeldEffect, Ledger, open_database
+from sandboxd.firewall.ledger import CallRecord, HeldEffect, Ledger
 from sandboxd.firewall.service import Firewall, FirewallResult, FirewallStats, ReplayReport
 
 __all__ = [
@@ -39,6 +39,5 @@ __all__ = [
     "canonical_json",
     "derive_call_id",
     "intent_key",
-    "open_database",
     "parse_config",
 ]

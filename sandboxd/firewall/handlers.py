@@ -1,6 +1,6 @@
 """The daemon's requests that the firewall serves: external calls, turn commits, the outbox, the ledger.
 
-External tools never reach a container: `SandboxService.call` hands them here, and they run in the
+External tools never reach a container: `sandboxd.calls.Calls.call` hands them here, and they run in the
 daemon through the effect adapters. Sandbox calls and ledgered effects are listed together for the
 operator, oldest first.
 """
@@ -14,19 +14,21 @@ from typing import Any
 import msgspec
 
 from sandboxd import protocol as p
-from sandboxd.errors import InvalidState, UnknownSession
+from sandboxd.branch import Branch
+from sandboxd.errors import BranchStateError
 from sandboxd.firewall.ledger import CallRecord
 from sandboxd.firewall.service import Firewall, FirewallResult
-from sandboxd.state import StateStore
 
 
 class FirewallHandlers:
-    """Handlers for the firewall's requests; `SandboxService` dispatches to them."""
+    """Handlers for the firewall's requests, dispatched by the service."""
 
-    def __init__(self, firewall: Firewall, state: StateStore, check_open: Callable[[str], object]) -> None:
+    def __init__(self, firewall: Firewall, check_open: Callable[[str], object], known: Callable[[str], object],
+                 sandbox_calls: Callable[[str], list[p.LedgerCall]]) -> None:
         self.firewall = firewall
-        self.state = state
         self.check_open = check_open
+        self.known = known
+        self.sandbox_calls = sandbox_calls
 
     def handlers(self) -> dict[type[Any], Callable[[Any], p.Response]]:
         """Request type -> handler, for the service's dispatch table."""
@@ -38,8 +40,6 @@ class FirewallHandlers:
             p.ReleaseCallRequest: self.release,
             p.DropCallRequest: self.drop,
             p.ResolveCallRequest: self.resolve,
-            p.BeginReplayRequest: self.begin_replay,
-            p.FinishReplayRequest: self.finish_replay,
         }
 
     def serves(self, tool: str) -> bool:
@@ -61,9 +61,8 @@ class FirewallHandlers:
         return p.DropTurnResponse(request_id=req.request_id, dropped=self.firewall.drop_turn(req.session_id, req.turn))
 
     def list_calls(self, req: p.ListCallsRequest) -> p.ListCallsResponse:
-        if self.state.session(req.session_id) is None:
-            raise UnknownSession(req.session_id)
-        calls = [sandbox_call(row) for row in self.state.calls(req.session_id)]
+        self.known(req.session_id)
+        calls = self.sandbox_calls(req.session_id)
         calls += [ledger_call(record) for record in self.firewall.calls(req.session_id)]
         calls.sort(key=lambda c: (c.created_at, c.call_id))
         return p.ListCallsResponse(request_id=req.request_id, calls=calls)
@@ -88,19 +87,34 @@ class FirewallHandlers:
         return p.ResolveCallResponse(request_id=req.request_id, call=ledger_call(record))
 
 
-    def begin_replay(self, req: p.BeginReplayRequest) -> p.BeginReplayResponse:
-        self.check_open(req.session_id)
-        branch = self.firewall.begin_replay(req.session_id, from_turn=req.from_turn)
-        return p.BeginReplayResponse(request_id=req.request_id, branch=branch)
+class FirewallParticipant:
+    """The ledger as a branch participant: a branch's shadow calls count in a replay branch of the ledger.
 
-    def finish_replay(self, req: p.FinishReplayRequest) -> p.FinishReplayResponse:
-        self.check_open(req.session_id)
-        if not req.branch.startswith(req.session_id + "#"):
-            raise InvalidState(req.branch, "foreign", f"a replay branch of {req.session_id}")
-        report = self.firewall.finish_replay(req.branch, req.commit)
-        return p.FinishReplayResponse(request_id=req.request_id, branch=report.branch, committed=report.committed,
-                                      orphaned=report.orphaned, dropped=report.dropped,
-                                      unresolved=report.unresolved, staged=report.staged, held=report.held)
+    It is the last participant (see `sandboxd.branch.Branches`): committing makes the branch the ledger's
+    live one, which ends the operation."""
+
+    name = "firewall"
+
+    def __init__(self, firewall: Firewall) -> None:
+        self.firewall = firewall
+
+    def begin(self, branch: Branch) -> None:
+        self.firewall.begin_replay(branch.id, branch.session_id, from_turn=branch.from_turn)
+
+    def commit(self, branch: Branch) -> dict[str, Any]:
+        """Orphaned, dropped, unresolved, staged and held calls of the replay (nothing once it is live)."""
+        if self.firewall.replay_status(branch.id) not in ("open", "committing"):
+            return {}
+        report = self.firewall.finish_replay(branch.id, commit=True)
+        return msgspec.to_builtins(report)
+
+    def abandon(self, branch: Branch) -> None:
+        if self.firewall.replay_status(branch.id) not in ("open", "committing"):
+            return
+        try:
+            self.firewall.finish_replay(branch.id, commit=False)
+        except BranchStateError:
+            pass  # opened by the operation but never attached to the ledger (a crash in between): nothing to undo
 
 
 def result_text(data: dict[str, Any] | None) -> str:
@@ -133,16 +147,4 @@ def ledger_call(record: CallRecord) -> p.LedgerCall:
         error=record.error, turn=record.turn,
         occurrence=record.occurrence, policy=record.policy, created_at=record.created_at,
         updated_at=record.updated_at,
-    )
-
-
-def sandbox_call(row: dict[str, Any]) -> p.LedgerCall:
-    saved = json.loads(row["result"]) if row["result"] else None
-    error = f"{saved['code']}: {saved['message']}" if saved and saved.get("kind") == "error" else None
-    result = {k: v for k, v in saved.items() if k != "kind"} if saved and not error else None
-    return p.LedgerCall(
-        call_id=row["call_id"], session_id=row["session_id"], tool=row["tool"],
-        effect=msgspec.convert(row["effect"], p.EffectClass), state=row["status"], args=json.loads(row["args"]),
-        result=result, error=error, created_at=row["created_at"] or 0.0,
-        updated_at=row["finished_at"] or row["created_at"] or 0.0,
     )

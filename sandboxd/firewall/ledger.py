@@ -1,16 +1,17 @@
 """The write-ahead call ledger of external effects, its outbox of held effects, and replay branches.
 
-One SQLite database shared with the daemon (WAL, `synchronous=FULL`), every transaction taken under
-the daemon's lock. The ledger only stores and checks state transitions; what to do in each state is
-the service's business.
+It lives in the daemon's database (`sandboxd.db`; its tables are created by `sandboxd.migrations`),
+every write in a durable transaction. The ledger only stores and checks state transitions; what to do
+in each state is the firewall's business.
 
-Tables (created if missing):
+Tables:
 - `ledger_calls`: one row per intent-level call id, its state, arguments and recorded result.
 - `ledger_reached`: which branch reached which call with which occurrence index; this is where
   occurrence counters live, so they survive a daemon restart (a counter reset would make the next
   legitimately identical send collide with the first and be answered instead of sent).
 - `ledger_aliases`: the agent's own call ids, per branch, pointing at ledger call ids.
-- `ledger_branches`: the live branch and replay branches of each lineage.
+- `branches`: the live branch and replay branches of each lineage (the table of `sandboxd.branch`: a
+  replay branch is the branch operation that opened it).
 - `ledger_events`: append-only history of every state change, for audit.
 - `outbox_held`: effects held by a release policy (or staged by a replay) until released or dropped.
 """
@@ -19,15 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import msgspec
-import sqlite_utils
 
+from sandboxd.db import Database
 from sandboxd.errors import InvalidState
 from sandboxd.firewall.intent import canonical_json
 
@@ -35,7 +34,7 @@ CallState = Literal[
     "intent", "fired", "done", "failed", "shadowed", "staged", "released", "orphaned", "unknown", "dropped"
 ]
 HoldPolicy = Literal["on_commit", "manual", "shadow"]
-BranchStatus = Literal["live", "replay", "superseded", "abandoned"]
+BranchStatus = Literal["live", "open", "committing", "superseded", "abandoned"]
 
 # States in which this process may be talking to the outside world; found after a crash they are unknown.
 IN_FLIGHT_STATES: tuple[CallState, ...] = ("intent", "fired", "released")
@@ -94,129 +93,25 @@ class Branch(msgspec.Struct, kw_only=True):
     created_at: float
 
 
-_SCHEMA: dict[str, tuple[dict[str, type], str | tuple[str, ...]]] = {
-    "ledger_calls": (
-        {
-            "call_id": str,
-            "lineage": str,
-            "branch": str,
-            "session_id": str,
-            "tool": str,
-            "intent_key": str,
-            "intent": str,
-            "args": str,
-            "occurrence": int,
-            "state": str,
-            "policy": str,
-            "turn": int,
-            "result": str,
-            "simulated": str,
-            "error": str,
-            "attempts": int,
-            "created_at": float,
-            "updated_at": float,
-            "recovered_from": str,
-        },
-        "call_id",
-    ),
-    "ledger_reached": (
-        {
-            "branch": str,
-            "call_id": str,
-            "lineage": str,
-            "session_id": str,
-            "intent_key": str,
-            "occurrence": int,
-            "turn": int,
-            "reached_at": float,
-        },
-        ("branch", "call_id"),
-    ),
-    "ledger_aliases": ({"branch": str, "agent_call_id": str, "call_id": str}, ("branch", "agent_call_id")),
-    "ledger_branches": (
-        {
-            "branch": str,
-            "lineage": str,
-            "parent": str,
-            "status": str,
-            "from_turn": int,
-            "created_at": float,
-            "finished_at": float,
-        },
-        "branch",
-    ),
-    "ledger_events": (
-        {"id": int, "call_id": str, "at": float, "from_state": str, "to_state": str, "note": str},
-        "id",
-    ),
-    "outbox_held": (
-        {
-            "call_id": str,
-            "session_id": str,
-            "lineage": str,
-            "branch": str,
-            "turn": int,
-            "policy": str,
-            "held_at": float,
-        },
-        "call_id",
-    ),
-}
-
-_INDEXES: list[tuple[str, list[str]]] = [
-    ("ledger_calls", ["state"]),
-    ("ledger_reached", ["branch", "intent_key"]),
-    ("ledger_reached", ["session_id"]),
-    ("ledger_branches", ["lineage", "status"]),
-    ("ledger_events", ["call_id"]),
-    ("outbox_held", ["session_id", "turn"]),
-]
-
-
 class Ledger:
     """Durable record of every external call; all writes happen inside `transaction()`."""
 
-    def __init__(
-        self, db: sqlite_utils.Database, lock: threading.RLock, clock: Callable[[], float] = time.time
-    ) -> None:
+    def __init__(self, db: Database, clock: Callable[[], float] = time.time) -> None:
         self._db = db
-        self._lock = lock
+        self._lock = db.lock
         self._clock = clock
-        with lock:
-            db.enable_wal()
-            # FULL makes every commit fsync the WAL: an intent is on disk before its effect fires.
-            db.execute("PRAGMA synchronous=FULL")
-            self._create_schema()
-
-    def _create_schema(self) -> None:
-        with self._db.atomic():
-            for name, (columns, pk) in _SCHEMA.items():
-                table = self._db.table(name)
-                table.create(columns, pk=pk, if_not_exists=True)
-                # A ledger written by an older daemon lacks the newer columns; every one is nullable.
-                present = table.columns_dict
-                for column, kind in columns.items():
-                    if column not in present:
-                        table.add_column(column, kind)
-            for name, cols in _INDEXES:
-                self._db.table(name).create_index(cols, if_not_exists=True)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        """One durable transaction under the shared lock; committed (fsynced) when the block exits."""
-        with self._lock:
-            if self._db.conn.in_transaction:
-                # Nested in someone else's transaction our commit would not reach the disk before
-                # the effect fires: that breaks the write-ahead rule, so refuse loudly.
-                raise RuntimeError("ledger transaction opened inside an open transaction")
-            with self._db.atomic():
-                yield
+        """One durable transaction: committed (fsynced) when the block exits.
+
+        Never nested in someone else's transaction, where our commit would not reach the disk before the
+        effect fires: that breaks the write-ahead rule, so `Database` refuses it loudly."""
+        with self._db.transaction(durable=True):
+            yield
 
     def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        with self._lock:
-            cursor = self._db.execute(sql, list(params))
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        return self._db.rows(sql, params)
 
     # Calls ------------------------------------------------------------------------------------
 
@@ -448,25 +343,34 @@ class Ledger:
 
     def branch(self, branch: str) -> Branch | None:
         """One branch by id."""
-        rows = self._rows("SELECT * FROM ledger_branches WHERE branch = ?", [branch])
+        rows = self._rows("SELECT * FROM branches WHERE branch = ?", [branch])
         return _branch(rows[0]) if rows else None
 
     def branch_with_status(self, lineage: str, status: BranchStatus) -> Branch | None:
         """The lineage's branch in `status` (there is at most one live and one replay branch)."""
         rows = self._rows(
-            "SELECT * FROM ledger_branches WHERE lineage = ? AND status = ? ORDER BY created_at DESC LIMIT 1",
+            "SELECT * FROM branches WHERE lineage = ? AND status = ? ORDER BY created_at DESC LIMIT 1",
             [lineage, status],
         )
         return _branch(rows[0]) if rows else None
+
+    def open_operation(self, branch: str, lineage: str) -> None:
+        """Record a branch operation of the lineage as open (inside `transaction()`)."""
+        self._db.execute("INSERT INTO branches (branch, lineage, status, kind, created_at) VALUES (?, ?, 'open', "
+                         "'replay', ?)", [branch, lineage, self._clock()])
+
+    def attach_replay(self, branch: str, parent: str, from_turn: int) -> None:
+        """Make the open branch operation `branch` a replay of `parent` (inside `transaction()`)."""
+        self._db.execute("UPDATE branches SET parent = ?, from_turn = ? WHERE branch = ?", [parent, from_turn, branch])
 
     def create_branch(
         self, lineage: str, parent: str | None, status: BranchStatus, from_turn: int | None
     ) -> str:
         """Create the next branch of a lineage (inside `transaction()`); ids are `<lineage>#<n>`."""
-        row = self._db.execute("SELECT COUNT(*) FROM ledger_branches WHERE lineage = ?", [lineage]).fetchone()
+        row = self._db.execute("SELECT COUNT(*) FROM branches WHERE lineage = ?", [lineage]).fetchone()
         branch = f"{lineage}#{int(row[0])}"
         self._db.execute(
-            "INSERT INTO ledger_branches (branch, lineage, parent, status, from_turn, created_at) "
+            "INSERT INTO branches (branch, lineage, parent, status, from_turn, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             [branch, lineage, parent, status, from_turn, self._clock()],
         )
@@ -475,7 +379,7 @@ class Ledger:
     def set_branch_status(self, branch: str, status: BranchStatus) -> None:
         """Change a branch's status (inside `transaction()`)."""
         self._db.execute(
-            "UPDATE ledger_branches SET status = ?, finished_at = ? WHERE branch = ?",
+            "UPDATE branches SET status = ?, finished_at = ? WHERE branch = ?",
             [status, self._clock(), branch],
         )
 
@@ -542,8 +446,3 @@ def _branch(row: dict[str, Any]) -> Branch:
         created_at=row["created_at"],
     )
 
-
-def open_database(path: str) -> sqlite_utils.Database:
-    """A `Database` on `path` whose connection may be used from several threads (under one lock)."""
-    conn = sqlite3.connect(path, check_same_thread=False)
-    return sqlite_utils.Database(conn)

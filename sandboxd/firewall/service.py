@@ -8,7 +8,7 @@ counters itself (persisted in `ledger_reached`), so callers never pass k:
 - an agent call id already used in this branch: a retry of that call, never a new occurrence; a
   different intent under it is `CALL_ID_CONFLICT`.
 
-Replay branches. Live calls count in the lineage's live branch. `begin_replay(lineage)` opens a replay
+Replay branches. Live calls count in the lineage's live branch. `begin_replay(branch, lineage)` opens a replay
 branch whose counters start from zero (or, with `from_turn`, inherit the calls of earlier turns, which
 the replay does not re-run); shadow-mode calls count there. Because k restarts, the replay's k-th
 identical intent derives the same id as the original's, so it is answered from the ledger instead of
@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,8 +49,8 @@ from typing import Any, Literal
 
 import jsonschema
 import msgspec
-import sqlite_utils
 
+from sandboxd.db import Database
 from sandboxd.errors import (
     AdapterTimeout,
     BranchStateError,
@@ -64,7 +65,7 @@ from sandboxd.errors import (
 from sandboxd.firewall.adapters import EffectAdapter, EffectNotDelivered, EffectOutcomeUnknown, build_adapters
 from sandboxd.firewall.config import FirewallConfig
 from sandboxd.firewall.intent import derive_call_id, intent_key
-from sandboxd.firewall.ledger import IN_FLIGHT_STATES, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
+from sandboxd.firewall.ledger import IN_FLIGHT_STATES, Branch, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
 from sandboxd.protocol import ToolManifest
 
 Mode = Literal["live", "shadow"]
@@ -138,6 +139,8 @@ class _Plan:
 
 
 _RETRYABLE: tuple[CallState, ...] = ("failed", "dropped", "shadowed")
+#: statuses of a branch operation that has not finished: its replay is open
+_OPEN = ("open", "committing")
 _COUNTER_OF_ACTION = {"answer": "deduplicated", "held": "deduplicated", "hold": "held", "stage": "shadowed"}
 
 
@@ -147,8 +150,7 @@ class Firewall:
     def __init__(
         self,
         config: FirewallConfig,
-        db: sqlite_utils.Database,
-        lock: threading.RLock,
+        db: Database,
         *,
         clock: Callable[[], float] = time.time,
         adapters: Sequence[EffectAdapter] | None = None,
@@ -173,8 +175,8 @@ class Firewall:
             name: jsonschema.Draft202012Validator(adapter.manifest.parameters)
             for name, adapter in self._adapters.items()
         }
-        self._lock = lock
-        self._ledger = Ledger(db, lock, clock)
+        self._lock = db.lock
+        self._ledger = Ledger(db, clock)
         self._in_flight: set[str] = set()  # ids this process is firing right now; guarded by `lock`
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
@@ -504,7 +506,7 @@ class Firewall:
     def in_open_replay(self, effect: HeldEffect) -> bool:
         """Whether an open replay holds this effect (then only finishing the replay decides it)."""
         branch = self._ledger.branch(effect.branch)
-        return branch is not None and branch.status == "replay"
+        return branch is not None and branch.status in _OPEN
 
     def _check_decidable(self, call_id: str) -> None:
         """Refuse to release or drop what an open replay holds: the replay may yet be abandoned, and
@@ -593,35 +595,45 @@ class Firewall:
     def _branch_for(self, lineage: str, mode: Mode) -> str:
         if mode == "live":
             return self._live_branch(lineage)
-        replay = self._ledger.branch_with_status(lineage, "replay")
+        replay = self._open_replay(lineage)
         if replay is None:
-            raise BranchStateError(lineage, None, "shadow mode needs an open replay: call begin_replay first")
+            raise BranchStateError(lineage, None, "shadow mode needs an open replay: a revocation opens one")
         return replay.branch
+
+    def _open_replay(self, lineage: str) -> Branch | None:
+        return self._ledger.branch_with_status(lineage, "open") or self._ledger.branch_with_status(lineage,
+                                                                                                   "committing")
 
     def _live_branch(self, lineage: str) -> str:
         live = self._ledger.branch_with_status(lineage, "live")
         return live.branch if live else self._ledger.create_branch(lineage, None, "live", None)
 
-    def begin_replay(self, lineage: str, from_turn: int | None = None) -> str:
-        """Open a replay branch of the lineage's live branch; shadow calls count there. Returns its id."""
+    def open_replay(self, lineage: str, from_turn: int | None = None) -> str:
+        """Open a replay branch of the lineage and return its id: for a firewall used on its own (the daemon
+        opens its replays as branch operations, `sandboxd.branch`, and calls `begin_replay`)."""
         with self._ledger.transaction():
-            open_replay = self._ledger.branch_with_status(lineage, "replay")
+            open_replay = self._open_replay(lineage)
             if open_replay is not None:
-                raise BranchStateError(
-                    lineage, open_replay.branch, f"replay {open_replay.branch} is still open"
-                )
-            parent = self._live_branch(lineage)
-            branch = self._ledger.create_branch(lineage, parent, "replay", from_turn)
-            if from_turn is not None:
-                # Turns before the splice point are not replayed, so their calls count as reached.
-                self._ledger.inherit_prefix(parent, branch, from_turn)
+                raise BranchStateError(lineage, open_replay.branch, f"replay {open_replay.branch} is still open")
+            branch = f"{lineage}#replay-{uuid.uuid4().hex[:8]}"
+            self._ledger.open_operation(branch, lineage)
+        self.begin_replay(branch, lineage, from_turn)
         return branch
+
+    def begin_replay(self, branch: str, lineage: str, from_turn: int | None = None) -> None:
+        """Make the open branch operation `branch` a replay of the lineage's live branch: shadow calls count
+        there. With `from_turn`, the calls of earlier turns count as reached (they are not replayed)."""
+        with self._ledger.transaction():
+            parent = self._live_branch(lineage)
+            self._ledger.attach_replay(branch, parent, from_turn if from_turn is not None else 0)
+            if from_turn is not None:
+                self._ledger.inherit_prefix(parent, branch, from_turn)
 
     def finish_replay(self, branch: str, commit: bool) -> ReplayReport:
         """Commit a replay branch (it becomes live; unreached fired calls are orphaned) or abandon it."""
         with self._ledger.transaction():
             info = self._ledger.branch(branch)
-            if info is None or info.status != "replay" or info.parent is None:
+            if info is None or info.status not in _OPEN or info.parent is None:
                 status = info.status if info else "absent"
                 raise BranchStateError(info.lineage if info else "?", branch, f"branch {branch} is {status}")
             mine = self._ledger.held(branch=branch)
@@ -640,11 +652,10 @@ class Firewall:
         self._count("orphaned", len(report.orphaned))
         return report
 
-    def abandon_open_replay(self, lineage: str) -> ReplayReport | None:
-        """Abandon the lineage's open replay, if it has one (its session is closing)."""
-        with self._lock:
-            open_replay = self._ledger.branch_with_status(lineage, "replay")
-            return None if open_replay is None else self.finish_replay(open_replay.branch, commit=False)
+    def replay_status(self, branch: str) -> str | None:
+        """The status of a replay branch in the ledger (None: the ledger never heard of it)."""
+        info = self._ledger.branch(branch)
+        return None if info is None else info.status
 
     def _supersede(self, parent: str, branch: str, report: ReplayReport) -> None:
         for record in self._ledger.unreached(parent, branch, ("done",)):
@@ -664,7 +675,7 @@ class Firewall:
             raise BranchStateError(lineage, branch, f"no branch {branch} in this lineage")
         if info.parent is None:
             return []
-        states: tuple[CallState, ...] = ("done",) if info.status == "replay" else ("orphaned",)
+        states: tuple[CallState, ...] = ("done",) if info.status in _OPEN else ("orphaned",)
         return [record.call_id for record in self._ledger.unreached(info.parent, branch, states)]
 
 

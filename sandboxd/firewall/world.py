@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sandboxd.branch import Branch
 from sandboxd.errors import InvalidArguments, NotFound
 from sandboxd.firewall.adapters import EffectAdapter
 from sandboxd.protocol import ToolManifest
@@ -104,7 +105,10 @@ def _freeze_suite_clocks() -> None:
 
 
 class AgentDojoWorld:
-    """The environments of one AgentDojo suite, one per session, persisted under `directory`."""
+    """The environments of one AgentDojo suite, one per session, persisted under `directory`; the branch
+    participant of the outside world (a replay branch reads a shadow of it)."""
+
+    name = "world"
 
     def __init__(self, suite: str, directory: Path, version: str = DEFAULT_VERSION) -> None:
         try:
@@ -120,7 +124,7 @@ class AgentDojoWorld:
             raise ValueError(f"unknown AgentDojo benchmark version {version!r}") from None
         if suite not in known:
             raise ValueError(f"unknown AgentDojo suite {suite!r}; version {version} has {', '.join(sorted(known))}")
-        self.name, self.version = suite, version
+        self.suite_name, self.version = suite, version
         self.suite = get_suite(version, suite)
         self._runtime = FunctionsRuntime(self.suite.tools)
         self._render = tool_result_to_str
@@ -235,7 +239,7 @@ class AgentDojoWorld:
         try:
             env = self.suite.load_and_inject_default_environment(injections)
         except Exception as exc:  # the suite templates injections into YAML; it refuses what YAML cannot hold
-            raise InvalidArguments("world_reset", f"the {self.name} suite cannot hold these injections: "
+            raise InvalidArguments("world_reset", f"the {self.suite_name} suite cannot hold these injections: "
                                    f"{type(exc).__name__}: {exc}", "$.injections") from exc
         if user_task is not None:
             if user_task not in self.suite.user_tasks:
@@ -285,6 +289,18 @@ class AgentDojoWorld:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    # The branch participant -------------------------------------------------------------------
+
+    def begin(self, branch: Branch) -> None:
+        self.begin_shadow(branch.session_id, branch.id, branch.splice.checkpoint_id)
+
+    def commit(self, branch: Branch) -> dict[str, Any]:
+        self.end_shadow(branch.session_id, branch.id, commit=True)
+        return {}
+
+    def abandon(self, branch: Branch) -> None:
+        self.end_shadow(branch.session_id, branch.id, commit=False)
 
     def forget(self, session_id: str) -> None:
         """Drop a closed session's environment and shadows from memory (its files stay: the world does not

@@ -60,7 +60,7 @@ async def take_revocation(session: McpSession, info: p.RevocationInfo) -> dict[s
         request_id=c._rid(), revocation_id=info.revocation_id, tokens=p.TokenCounts(),
         transitions_replayed=1 if refed else 0, final_step=session.recorder.step, answer=None,
         call_counts={"reexecuted": 0, "reused": 0, "shadowed": 0, "deduplicated": 0},
-        engine_context="", agent_notes=notes)))
+        agent_notes=notes)))
     log.warning("revocation %s of %s taken: %d artifacts discarded, sandbox restored to %s", info.revocation_id,
                 info.source, len(discarded), plan.checkpoint.checkpoint_id)
     return _notice(info, report, forget, refed, plan.source_result if refed else None, agent_ids)

@@ -10,62 +10,37 @@ suffix after a checkpoint" is a range of seqs.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterable
 from typing import Any
 
 import msgspec
-import sqlite_utils
 
 from sandboxd import protocol as p
+from sandboxd.branch import Branch
+from sandboxd.db import Database
 from sandboxd.errors import InvalidArguments, NotFound
 
-_SCHEMA: dict[str, tuple[dict[str, Any], str | tuple[str, ...]]] = {
-    "prov_artifacts": (
-        {"session_id": str, "artifact_id": str, "seq": int, "type": str, "turn": int, "step": int,
-         "token_start": int, "token_end": int, "committed": int, "content": str, "meta": str,
-         "source_ids": str, "branch": str},
-        ("session_id", "branch", "artifact_id"),
-    ),
-    "prov_edges": ({"session_id": str, "branch": str, "parent": str, "child": str},
-                   ("session_id", "branch", "parent", "child")),
-    "prov_checkpoints": (
-        {"session_id": str, "checkpoint_id": str, "step": int, "turn": int, "token_offset": int,
-         "cache_handle": str, "reason": str, "manifest": str, "snapshot_id": str, "created_at": float,
-         "artifact_seq": int, "branch": str},
-        ("session_id", "branch", "checkpoint_id"),
-    ),
-}
-_INDEXES = [("prov_artifacts", ["session_id", "seq"]), ("prov_edges", ["session_id", "child"]),
-            ("prov_checkpoints", ["session_id", "step"])]
-
+_TABLES = ("prov_artifacts", "prov_edges", "prov_checkpoints")
 #: the live branch of a session; a replay writes under its own branch name until it commits
 LIVE = ""
 
 
 class ProvenanceStore:
-    """Typed access to the provenance tables over the daemon's shared connection and lock."""
+    """Typed access to the provenance tables; the branch participant of provenance."""
 
-    def __init__(self, db: sqlite_utils.Database, lock: threading.RLock) -> None:
+    name = "provenance"
+
+    def __init__(self, db: Database) -> None:
         self.db = db
-        self.lock = lock
-        with lock, db.atomic():
-            for name, (columns, pk) in _SCHEMA.items():
-                db.table(name).create(columns, pk=pk, if_not_exists=True)
-            for name, cols in _INDEXES:
-                db.table(name).create_index(cols, if_not_exists=True)
 
     def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        with self.lock:
-            cursor = self.db.execute(sql, list(params))
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        return self.db.rows(sql, params)
 
     # Recording ---------------------------------------------------------------------------------
 
     def record(self, session_id: str, artifacts: list[p.Artifact], branch: str = LIVE) -> int:
         """Insert artifacts and their parent edges; a re-sent artifact id must be identical."""
-        with self.lock, self.db.atomic():
+        with self.db.transaction():
             seq = self._next_seq(session_id)
             inserted = 0
             for artifact in artifacts:
@@ -76,10 +51,10 @@ class ProvenanceStore:
                                                "different contents", "$.artifacts")
                     continue
                 self._check_parents(session_id, artifact, branch)
-                self.db.table("prov_artifacts").insert(_to_row(session_id, artifact, seq, branch))
-                self.db.table("prov_edges").insert_all(
-                    [{"session_id": session_id, "branch": branch, "parent": parent, "child": artifact.artifact_id}
-                     for parent in dict.fromkeys(artifact.parents)])
+                self.db.insert("prov_artifacts", _to_row(session_id, artifact, seq, branch))
+                for parent in dict.fromkeys(artifact.parents):
+                    self.db.insert("prov_edges", {"session_id": session_id, "branch": branch, "parent": parent,
+                                                  "child": artifact.artifact_id})
                 seq += 1
                 inserted += 1
         return inserted
@@ -105,7 +80,7 @@ class ProvenanceStore:
 
     def add_checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = LIVE) -> None:
         """Store a checkpoint, remembering how many artifacts existed when it was taken."""
-        with self.lock, self.db.atomic():
+        with self.db.transaction():
             if self._rows("SELECT 1 FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
                           [session_id, branch, checkpoint.checkpoint_id]):
                 raise InvalidArguments("checkpoint", f"checkpoint {checkpoint.checkpoint_id} already exists",
@@ -113,7 +88,7 @@ class ProvenanceStore:
             row = msgspec.to_builtins(checkpoint)
             row.update(session_id=session_id, manifest=json.dumps(checkpoint.manifest),
                        artifact_seq=self._next_seq(session_id) - 1, branch=branch)
-            self.db.table("prov_checkpoints").insert(row)
+            self.db.insert("prov_checkpoints", row)
 
     # Queries -----------------------------------------------------------------------------------
 
@@ -202,20 +177,17 @@ class ProvenanceStore:
         return int(row["a"]), int(row["c"])
 
     def commit_branch(self, session_id: str, branch: str, splice: p.CheckpointRecord,
-                      old_end: tuple[int, int]) -> list[p.Artifact]:
+                      old_end: tuple[int, int]) -> None:
         """Make a replay branch live: drop the old suffix between `splice` and `old_end`, relabel the branch.
 
-        Bounded on both sides, so repeating it after a crash never touches what the branch brought.
-        """
-        with self.lock, self.db.atomic():
+        Bounded on both sides, so repeating it after a crash never touches what the branch brought."""
+        with self.db.transaction():
             cut = self._rows("SELECT artifact_seq, rowid FROM prov_checkpoints WHERE session_id = ? AND branch = ? "
                              "AND checkpoint_id = ?", [session_id, LIVE, splice.checkpoint_id])[0]
-            later = {r["artifact_id"] for r in self._rows(
+            later = [r["artifact_id"] for r in self._rows(
                 "SELECT artifact_id FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ? AND seq <= ?",
-                [session_id, LIVE, cut["artifact_seq"], old_end[0]])}
-            dropped = [a for a in self.artifacts(session_id) if a.artifact_id in later]
-            ids = [a.artifact_id for a in dropped]
-            for chunk in _chunks(ids):
+                [session_id, LIVE, cut["artifact_seq"], old_end[0]])]
+            for chunk in _chunks(later):
                 marks = ",".join("?" for _ in chunk)
                 self.db.execute(f"DELETE FROM prov_edges WHERE session_id = ? AND branch = ? AND child IN ({marks})",
                                 [session_id, LIVE, *chunk])
@@ -227,20 +199,42 @@ class ProvenanceStore:
             self.db.execute("DELETE FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id IN "
                             "(SELECT checkpoint_id FROM prov_checkpoints WHERE session_id = ? AND branch = ?)",
                             [session_id, branch, session_id, LIVE])
-            for table in _SCHEMA:
+            for table in _TABLES:
                 self.db.execute(f"UPDATE {table} SET branch = ? WHERE session_id = ? AND branch = ?",
                                 [LIVE, session_id, branch])
-        return dropped
+
+    # The branch participant --------------------------------------------------------------------
+
+    def begin(self, branch: Branch) -> None:
+        """Remember where the live session's suffix ends now: what a commit replaces, and nothing later."""
+        artifacts, checkpoints = self.suffix_bounds(branch.session_id)
+        with self.db.transaction():
+            self.db.insert("prov_branches", {"branch": branch.id, "session_id": branch.session_id,
+                                             "artifact_end": artifacts, "checkpoint_end": checkpoints}, replace=True)
+
+    def commit(self, branch: Branch) -> dict[str, Any]:
+        with self.db.transaction():
+            bounds = self.db.row("SELECT * FROM prov_branches WHERE branch = ?", [branch.id])
+            if bounds is not None:  # absent: committed before a crash
+                self.commit_branch(branch.session_id, branch.id, branch.splice,
+                                   (bounds["artifact_end"], bounds["checkpoint_end"]))
+                self.db.execute("DELETE FROM prov_branches WHERE branch = ?", [branch.id])
+        return {}
+
+    def abandon(self, branch: Branch) -> None:
+        with self.db.transaction():
+            self.abandon_branch(branch.session_id, branch.id)
+            self.db.execute("DELETE FROM prov_branches WHERE branch = ?", [branch.id])
 
     def abandon_branch(self, session_id: str, branch: str) -> None:
         """Forget a replay branch that will not be committed."""
-        with self.lock, self.db.atomic():
-            for table in _SCHEMA:
+        with self.db.transaction():
+            for table in _TABLES:
                 self.db.execute(f"DELETE FROM {table} WHERE session_id = ? AND branch = ?", [session_id, branch])
 
     def delete_session(self, session_id: str) -> None:
-        with self.lock, self.db.atomic():
-            for table in _SCHEMA:
+        with self.db.transaction():
+            for table in _TABLES:
                 self.db.execute(f"DELETE FROM {table} WHERE session_id = ?", [session_id])
 
 

@@ -5,11 +5,9 @@ records and their ids, provenance content, snapshot labels, reports) and filters
 agent's call id made from a value, `seed/<name>`) is replaced whole by a salted digest, since half an
 id is neither the id nor clean. `scrub_log` rewrites the daemon's log in place, line by line.
 
-`LeakScan` then searches, by meaning and by bytes: every text cell again (decoded, as the filter
-reads it), and the bytes of everything under the state directory, the session's snapshot store and
-its container's scratch space, for every byte form of every form of the target. Each hit is either
-gone after a second round of erasure (VACUUM, trim) or kept in the report with the real reason it
-could not be erased; the report never says a hit is something it is not.
+Only content columns are read and rewritten (`CONTENT_COLUMNS`): ids the daemon mints, states and
+hashes are structure, which spells a short target only by chance. `sandboxd.revocation.leaks` then
+looks for what is left.
 """
 
 from __future__ import annotations
@@ -20,18 +18,16 @@ import json
 import logging
 import os
 import re
-import sqlite3
-import threading
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from sandboxd.db import Database
 from sandboxd.revocation.forgetting import ForgetFilter, fingerprints_for, piece_fingerprints, target_forms
-from sandboxd.revocation.leakscan import LeakReport
 
 log = logging.getLogger("sandboxd")
 
@@ -93,8 +89,8 @@ class _Column:
     key: bool
 
 
-def _text_columns(conn: sqlite3.Connection) -> dict[str, list[_Column]]:
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+def _text_columns(db: Database) -> dict[str, list[_Column]]:
+    tables = {r["name"] for r in db.rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
     return {table: [_Column(name=c, key=(table, c) in KEY_COLUMNS) for c in columns]
             for table, columns in CONTENT_COLUMNS.items() if table in tables}
 
@@ -110,9 +106,9 @@ SENT_OUT = ("what an external effect sent to the outside world: the far side hol
             "it so the effect can be compensated")
 
 
-def _session_rows(conn: sqlite3.Connection, table: str, session_id: str | None) -> tuple[str, list[str]]:
+def _session_rows(db: Database, table: str, session_id: str | None) -> tuple[str, list[str]]:
     """The WHERE clause selecting a session's rows of `table` (every row when it names no session)."""
-    columns = {row[1] for row in conn.execute(f'PRAGMA table_info("{table}")')}
+    columns = {row["name"] for row in db.rows(f'PRAGMA table_info("{table}")')}
     if session_id is None:
         return "1", []
     if "session_id" in columns:
@@ -126,21 +122,17 @@ def _session_rows(conn: sqlite3.Connection, table: str, session_id: str | None) 
     return "1", []
 
 
-def _cells(conn: sqlite3.Connection, session_id: str | None = None
-           ) -> list[tuple[str, _Column, int, str, dict[str, Any]]]:
-    """(table, column, rowid, text, row) for every text cell of the database (of one session's rows)."""
-    cells = []
-    for table, columns in _text_columns(conn).items():
-        where, params = _session_rows(conn, table, session_id)
-        cursor = conn.execute(f'SELECT rowid AS "__rowid", * FROM "{table}" WHERE {where}', params)
-        names = [d[0] for d in cursor.description]
-        for values in cursor.fetchall():
-            row = dict(zip(names, values, strict=True))
+def cells(db: Database, session_id: str | None = None) -> list[tuple[str, _Column, int, str, dict[str, Any]]]:
+    """(table, column, rowid, text, row) for every content cell of the database (of one session's rows)."""
+    found = []
+    for table, columns in _text_columns(db).items():
+        where, params = _session_rows(db, table, session_id)
+        for row in db.rows(f'SELECT rowid AS "__rowid", * FROM "{table}" WHERE {where}', params):
             for column in columns:
                 value = row.get(column.name)
                 if isinstance(value, str) and value:
-                    cells.append((table, column, row["__rowid"], value, row))
-    return cells
+                    found.append((table, column, row["__rowid"], value, row))
+    return found
 
 
 _MINTED_CALL_ID = re.compile(r"c-[0-9a-f]{32}")
@@ -161,24 +153,17 @@ def distinctive(needle: bytes) -> bool:
 MIN_NEEDLE_BYTES = 8
 
 
-def scrub_database(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFilter, session_id: str,
-                   exempt: Exempt) -> int:
-    """Filter every text cell of the session's rows that holds a forgotten value (keys replaced by a digest)
-    unless `exempt`; returns how many cells changed."""
+def scrub_database(db: Database, forget: ForgetFilter, session_id: str, exempt: Exempt) -> int:
+    """Filter every content cell of the session's rows that holds a forgotten value (keys replaced by a
+    digest) unless `exempt`; returns how many cells changed."""
     changed = 0
-    with lock:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for table, column, rowid, value, row in _cells(conn, session_id):
-                if exempt(table, column.name, row) or minted(column, value) or not forget.holds_record(value):
-                    continue
-                clean = redacted_id(value, forget) if column.key else forget.json_text(value)
-                conn.execute(f'UPDATE "{table}" SET "{column.name}" = ? WHERE rowid = ?', [clean, rowid])
-                changed += 1
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+    with db.transaction():
+        for table, column, rowid, value, row in cells(db, session_id):
+            if exempt(table, column.name, row) or minted(column, value) or not forget.holds_record(value):
+                continue
+            clean = redacted_id(value, forget) if column.key else forget.json_text(value)
+            db.execute(f'UPDATE "{table}" SET "{column.name}" = ? WHERE rowid = ?', [clean, rowid])
+            changed += 1
     return changed
 
 
@@ -221,47 +206,6 @@ def _clean_line(line: str, forget: ForgetFilter) -> str:
     except ValueError:
         return forget.text(body) + "\n"
     return json.dumps(forget.value(entry)) + "\n"
-
-
-@dataclass
-class LeakScan:
-    """The hits of one scan, each with where it is and why it may stay (empty reason: it must not)."""
-
-    locations_checked: int = 0
-    found: list[tuple[str, str]] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    """What was not searched, and why."""
-
-    def add(self, location: str, reason: str = "") -> None:
-        self.found.append((location, reason))
-
-    def extend(self, report: LeakReport, label: str, reason: str, strip: str = "") -> None:
-        self.locations_checked += report.locations_checked
-        for hit in report.hits:
-            self.add(f"{label}{hit.location.removeprefix(strip)}@{hit.offset}", reason)
-        for skipped in report.skipped:
-            self.add(f"{label}{skipped.removeprefix(strip)}", "could not be read, so not searched")
-
-    @property
-    def unexplained(self) -> list[str]:
-        return [where for where, reason in self.found if not reason]
-
-
-def scan_cells(conn: sqlite3.Connection, lock: threading.RLock, forget: ForgetFilter, session_id: str,
-               exempt: Exempt, everyone: bool = False) -> LeakScan:
-    """Every text cell of the session's rows (of every row, with `everyone`), read as the filter reads it
-    (decoded views, whitespace folded)."""
-    scan = LeakScan()
-    with lock:
-        cells = _cells(conn, None if everyone else session_id)
-    for table, column, rowid, value, row in cells:
-        scan.locations_checked += 1
-        if not minted(column, value) and forget.holds_record(value):
-            owner = row.get("session_id")
-            reason = exempt(table, column.name, row) or ("" if owner in (None, session_id) else
-                      f"another session ({owner}) holds it in its own record: not this session's to forget")
-            scan.add(f"state.db:{table}.{column.name}[{rowid}]", reason)
-    return scan
 
 
 def target_filter(target: str, pieces: list[str], salt: bytes) -> ForgetFilter:

@@ -222,6 +222,10 @@ class ContainerManager:
                 self._channels[session_id] = chan
             return chan
 
+    def request(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request to the session's executor."""
+        return self.channel(session_id).request(payload, timeout)
+
     def ensure_running(self, session_id: str) -> bool:
         """Start the session's container if it stopped, restart it if its executor does not answer;
         False when it no longer exists."""
@@ -287,7 +291,7 @@ class ContainerManager:
         report.hits = [msgspec.structs.replace(hit, location=hit.location.removeprefix(root)) for hit in report.hits]
         return report
 
-    def sessions_with_containers(self) -> list[str]:
+    def sessions(self) -> list[str]:
         """Session ids that have a container of this instance, running or not."""
         found = self.client.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={self.instance}"})
         return [c.labels[LABEL_SESSION] for c in found if LABEL_SESSION in c.labels]

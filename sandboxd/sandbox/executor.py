@@ -11,6 +11,7 @@ calls at once and can reap every stray process between calls.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import ctypes
 import glob
 import json
@@ -28,6 +29,9 @@ import time
 from typing import Any
 
 WORKSPACE = "/workspace"
+# The workspace of the call being served: /workspace in a sandbox; a directory of the daemon's when the
+# daemon runs this code in-process (sandboxd.sandbox.local, for tests without an engine).
+_workspace: contextvars.ContextVar[str] = contextvars.ContextVar("workspace", default=WORKSPACE)
 MAX_REQUEST = 64 * 1024 * 1024
 _serving_in_sandbox = False
 """Set by `main`: the process serves a sandbox, so after a call every other process of its user is a leftover."""
@@ -43,18 +47,24 @@ class ToolFailure(Exception):
 
 
 def workspace_root() -> str:
-    return os.path.realpath(WORKSPACE)
+    return os.path.realpath(_workspace.get())
 
 
 def confine(path: str) -> str:
     """Resolve a tool path to a real path inside the workspace, following symlinks."""
-    root = workspace_root()
+    workspace = _workspace.get()
+    root = os.path.realpath(workspace)
     if "\x00" in path:
         raise ToolFailure("path_escape", "path contains a NUL byte", path=path, reason="nul byte")
-    candidate = path if os.path.isabs(path) else os.path.join(WORKSPACE, path)
+    if os.path.isabs(path):
+        # /workspace is the workspace's name in every sandbox, whatever directory serves it.
+        inside = path == WORKSPACE or path.startswith(WORKSPACE + "/")
+        candidate = workspace + path[len(WORKSPACE):] if inside else path
+    else:
+        candidate = os.path.join(workspace, path)
     real = os.path.realpath(candidate)
     if real != root and not real.startswith(root + os.sep):
-        reason = "a symlink points outside" if os.path.normpath(candidate).startswith(WORKSPACE) else "escapes"
+        reason = "a symlink points outside" if os.path.normpath(candidate).startswith(workspace) else "escapes"
         raise ToolFailure("path_escape", f"path {path!r} resolves outside /workspace", path=path, reason=reason)
     return real
 

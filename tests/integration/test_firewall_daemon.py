@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from aiosmtpd.controller import Controller
 
+from sandboxd import protocol as p
 from sandboxd.client import Client, DaemonUnreachable, RemoteError
 from sandboxd.launcher import DaemonProcess
 from tests.sinks import HttpSink, SmtpSink
@@ -114,6 +115,16 @@ def test_distinct_sends_deliver_once_each_and_retries_never_twice(firewalled: Ca
     assert len(ledger) == 8 and all(c.state == "done" for c in ledger)
 
 
+def open_replay(client: Client, sid: str) -> p.BeginRevocationResponse:
+    """A replay branch as the daemon opens one: a recorded observation is revoked, and the revocation taken."""
+    client.checkpoint(sid, p.CheckpointRecord(checkpoint_id="cp-0", step=0, turn=0, token_offset=0, cache_handle="c",
+                                              reason="turn"), snapshot=False)
+    client.record_artifacts(sid, [p.Artifact(artifact_id="call-1-0", type="tool_call"),
+                                  p.Artifact(artifact_id="obs-1", type="observation", parents=["call-1-0"], step=1,
+                                             content="a page to forget")])
+    return client.begin_revocation(client.revoke(sid, "obs-1").revocation.revocation_id)
+
+
 def test_shadow_replay_never_fires_and_reports_orphans(firewalled: Callable[..., DaemonProcess],
                                                        smtp: SlowSmtpSink) -> None:
     client = firewalled().client()
@@ -123,13 +134,17 @@ def test_shadow_replay_never_fires_and_reports_orphans(firewalled: Callable[...,
     with pytest.raises(RemoteError) as err:
         client.call(sid, "send_email", mail(1), mode="shadow")
     assert err.value.wire_code == "invalid_state"  # shadow calls belong to a replay branch
-    branch = client.begin_replay(sid)
-    replayed = client.call(sid, "send_email", mail(1), mode="shadow")
+    plan = open_replay(client, sid)
+    replayed = client.call(sid, "send_email", mail(1), mode="shadow", branch=plan.branch)
     assert replayed.deduplicated and replayed.call_id == kept.call_id and smtp.count == 2
-    new = client.call(sid, "send_email", mail(2), mode="shadow")
+    new = client.call(sid, "send_email", mail(2), mode="shadow", branch=plan.branch)
     assert new.shadowed and new.state == "staged" and smtp.count == 2
-    report = client.finish_replay(sid, branch, commit=True)
-    assert report.orphaned == [gone.call_id] and report.staged == [new.call_id]
+    report = client.commit_revocation(p.CommitRevocationRequest(
+        request_id="r", revocation_id=plan.revocation_id, tokens=p.TokenCounts(), transitions_replayed=1,
+        final_step=1))
+    assert (report.calls["orphaned"], report.calls["staged"]) == (1, 1)
+    assert any(gone.call_id in line and "orphaned" in line for line in report.not_erased)
+    assert [c.state for c in client.calls(sid) if c.call_id == new.call_id] == ["staged"]
     assert smtp.count == 2
 
 
@@ -166,8 +181,8 @@ def test_an_open_replays_hold_waits_for_the_replay(firewalled: Callable[..., Dae
                                                   smtp: SlowSmtpSink) -> None:
     client = firewalled({"send_email": "manual"}).client()
     sid = client.open_session().session_id
-    branch = client.begin_replay(sid)
-    new = client.call(sid, "send_email", mail(1), mode="shadow", turn=1)
+    branch = open_replay(client, sid).branch
+    new = client.call(sid, "send_email", mail(1), mode="shadow", turn=1, branch=branch)
     assert new.held and [h.replay for h in client.outbox(sid)] == [branch]
     with pytest.raises(RemoteError) as err:
         client.release(new.call_id)

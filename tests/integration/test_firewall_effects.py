@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 from aiosmtpd.controller import Controller
 
+from sandboxd.db import Database
 from sandboxd.errors import (
     AdapterTimeout,
     CallIdConflict,
@@ -30,7 +30,7 @@ from sandboxd.errors import (
     InvalidArguments,
     InvalidState,
 )
-from sandboxd.firewall import Firewall, open_database, parse_config
+from sandboxd.firewall import Firewall, parse_config
 from tests.sinks import HttpSink, SmtpSink, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,8 +68,8 @@ def make_firewall(smtp: SmtpSink, http: HttpSink, tmp_path: Path) -> Iterator[Ma
             "adapter_timeout_s": 5.0,
         }
         raw.update(overrides)
-        db = open_database(str(tmp_path / "ledger.db"))
-        firewall = Firewall(parse_config(raw), db, threading.RLock())
+        db = Database(str(tmp_path / "ledger.db"))
+        firewall = Firewall(parse_config(raw), db)
         made.append((firewall, db))
         return firewall
 
@@ -146,7 +146,7 @@ def test_shadow_replay_delivers_once_and_reports_orphans(
     revoked = firewall.call("s1", "root", "webhook", {"body": {"order": 42, "qty": 1.0}})
     assert (smtp.count, http.count) == (1, 1)
 
-    branch = firewall.begin_replay("root")
+    branch = firewall.open_replay("root")
     again = firewall.call("s2", "root", "send_email", email(body="kept"), mode="shadow")
     assert again.deduplicated and not again.shadowed and again.result == kept.result
     new = firewall.call("s2", "root", "webhook", {"body": {"order": 43}}, mode="shadow")
@@ -163,7 +163,7 @@ def test_shadow_replay_delivers_once_and_reports_orphans(
 def test_replay_counts_occurrences_from_zero(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
     firewall = make_firewall()
     originals = [firewall.call("s", "root", "send_email", email()) for _ in range(2)]
-    branch = firewall.begin_replay("root")
+    branch = firewall.open_replay("root")
     replayed = [firewall.call("s", "root", "send_email", email(), mode="shadow") for _ in range(3)]
     assert [r.call_id for r in replayed[:2]] == [o.call_id for o in originals]
     assert [r.deduplicated for r in replayed] == [True, True, False] and replayed[2].shadowed
@@ -294,9 +294,10 @@ CHILD = textwrap.dedent(
     """
     import sys, threading
     sys.path.insert(0, {repo!r})
-    from sandboxd.firewall import Firewall, open_database, parse_config
+    from sandboxd.db import Database
+from sandboxd.firewall import Firewall, parse_config
     config = parse_config({{"webhook": {{"url": {url!r}}}, "adapter_timeout_s": 30}})
-    firewall = Firewall(config, open_database({db!r}), threading.RLock())
+    firewall = Firewall(config, Database({db!r}))
     firewall.call("s", "lin", "webhook", {{"body": {{"pay": 10}}}}, call_id="agent-1")
     """
 )

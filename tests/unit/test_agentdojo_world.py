@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import datetime
 import pickle
-import threading
 from pathlib import Path
 
 import jsonschema
 import pytest
 
+from sandboxd.db import Database
 from sandboxd.errors import InvalidArguments, NotFound
-from sandboxd.firewall import Firewall, FirewallConfig, open_database
+from sandboxd.firewall import Firewall, FirewallConfig
 from sandboxd.firewall.world import STATE_CHANGING, AgentDojoWorld
 
 pytest.importorskip("agentdojo")
@@ -126,15 +126,15 @@ def test_a_replay_reads_a_shadow_of_the_world_at_its_splice(tmp_path: Path) -> N
 
 def test_a_replays_new_call_reads_the_shadow_worlds_answer_and_fires_nothing(tmp_path: Path) -> None:
     world = AgentDojoWorld("banking", tmp_path / "world")
-    db = open_database(str(tmp_path / "ledger.db"))
-    firewall = Firewall(FirewallConfig(), db, threading.RLock(), adapters=world.adapters(5.0))
+    db = Database(str(tmp_path / "ledger.db"))
+    firewall = Firewall(FirewallConfig(), db, adapters=world.adapters(5.0))
     world.reset("s-1", {}, None)
     count = len(pickle.loads(world.state("s-1")).bank_account.transactions)
     world.mark("s-1", "cp-1")
     pay = {"recipient": "X", "amount": 5.0, "subject": "rent", "date": "2022-01-01"}
     fired = firewall.call("s-1", "s-1", "send_money", pay, turn=1)
     assert fired.state == "done" and not fired.simulated
-    branch = firewall.begin_replay("s-1")
+    branch = firewall.open_replay("s-1")
     world.begin_shadow("s-1", branch, "cp-1")
     other = {**pay, "subject": "other", "amount": 7.0}
     new = firewall.call("s-1", "s-1", "send_money", other, call_id="r/call-1", mode="shadow", turn=1, branch=branch)

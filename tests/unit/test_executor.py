@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,12 @@ from sandboxd.sandbox import executor
 
 
 @pytest.fixture
-def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def workspace(tmp_path: Path) -> Iterator[Path]:
     ws = tmp_path / "ws"
     ws.mkdir()
-    monkeypatch.setattr(executor, "WORKSPACE", str(ws))
-    return ws
+    token = executor._workspace.set(str(ws))
+    yield ws
+    executor._workspace.reset(token)
 
 
 def run(command: str, timeout: float = 5.0, cap: int = 1024) -> dict[str, object]:
@@ -102,7 +105,8 @@ def test_bad_requests_become_error_replies(workspace: Path) -> None:
 
 def test_socket_server_round_trip(workspace: Path, tmp_path: Path) -> None:
     path = str(tmp_path / "exec.sock")
-    threading.Thread(target=executor.serve, args=(path,), daemon=True).start()
+    # The server thread serves the fixture's workspace: it runs in a copy of this thread's context.
+    threading.Thread(target=contextvars.copy_context().run, args=(executor.serve, path), daemon=True).start()
     deadline = time.monotonic() + 5
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from sandboxd.db import Database
 from sandboxd.errors import (
     BranchStateError,
     CallIdConflict,
@@ -24,7 +25,7 @@ from sandboxd.errors import (
     InvalidState,
     UnknownTool,
 )
-from sandboxd.firewall import EffectAdapter, EffectNotDelivered, Firewall, FirewallConfig, open_database
+from sandboxd.firewall import EffectAdapter, EffectNotDelivered, Firewall, FirewallConfig
 from sandboxd.firewall.ledger import CallRecord, Ledger
 from sandboxd.protocol import ToolManifest
 
@@ -74,10 +75,10 @@ def make_firewall(db_path: Path) -> Iterator[Callable[..., tuple[Firewall, Recor
     opened: list[Any] = []
 
     def make(release: dict[str, str] | None = None) -> tuple[Firewall, RecordingAdapter]:
-        db = open_database(str(db_path))
+        db = Database(str(db_path))
         adapter = RecordingAdapter()
         config = FirewallConfig(release=release or {})  # type: ignore[arg-type]
-        firewall = Firewall(config, db, threading.RLock(), adapters=[adapter])
+        firewall = Firewall(config, db, adapters=[adapter])
         opened.append(db)
         return firewall, adapter
 
@@ -89,10 +90,10 @@ def make_firewall(db_path: Path) -> Iterator[Callable[..., tuple[Firewall, Recor
 def test_schema_and_durability_pragmas(make_firewall: Callable[..., Any], db_path: Path) -> None:
     firewall, _ = make_firewall()
     db = firewall.ledger._db
-    assert db.journal_mode == "wal"
-    assert db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
-    names = set(db.table_names())
-    assert {"ledger_calls", "ledger_reached", "ledger_aliases", "ledger_branches", "outbox_held"} <= names
+    assert db.value("PRAGMA journal_mode") == "wal"
+    assert db.value("PRAGMA synchronous") == 2  # FULL
+    names = {r["name"] for r in db.rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"ledger_calls", "ledger_reached", "ledger_aliases", "branches", "outbox_held"} <= names
     make_firewall()  # a second ledger over the same file finds its tables and does not fail
 
 
@@ -242,9 +243,9 @@ def test_replay_branch_dedupes_stages_and_orphans(make_firewall: Callable[..., A
     gone = firewall.call("s", "lin", "notify", {"text": "gone"}, turn=2)
     with pytest.raises(BranchStateError):
         firewall.call("s", "lin", "notify", {"text": "kept"}, mode="shadow")
-    branch = firewall.begin_replay("lin")
+    branch = firewall.open_replay("lin")
     with pytest.raises(BranchStateError):
-        firewall.begin_replay("lin")
+        firewall.open_replay("lin")
     replayed = firewall.call("s2", "lin", "notify", {"text": " kept "}, mode="shadow", call_id="x", turn=1)
     assert replayed.deduplicated and replayed.call_id == kept.call_id and replayed.result == kept.result
     new = firewall.call("s2", "lin", "notify", {"text": "new"}, mode="shadow", turn=2)
@@ -268,7 +269,7 @@ def test_replay_branch_dedupes_stages_and_orphans(make_firewall: Callable[..., A
 def test_abandoned_replay_leaves_nothing_staged(make_firewall: Callable[..., Any]) -> None:
     firewall, adapter = make_firewall()
     original = firewall.call("s", "lin", "notify", {"text": "a"})
-    branch = firewall.begin_replay("lin")
+    branch = firewall.open_replay("lin")
     staged = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow")
     report = firewall.finish_replay(branch, commit=False)
     assert report.orphaned == [] and report.staged == [staged.call_id] and firewall.outbox() == []
@@ -286,7 +287,7 @@ def test_a_replay_holds_a_new_call_to_a_held_tool_as_the_live_run_would(
 ) -> None:
     firewall, adapter = make_firewall({"notify": policy})
     original = firewall.call("s", "lin", "notify", {"text": "a"}, turn=1)
-    branch = firewall.begin_replay("lin")
+    branch = firewall.open_replay("lin")
     new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=1)
     live_would = {"on_commit": "held until this turn is committed", "manual": "held for operator approval"}
     assert new.held and not new.shadowed and new.state == "staged" and new.result is not None
@@ -305,14 +306,14 @@ def test_a_replay_holds_a_new_call_to_a_held_tool_as_the_live_run_would(
 
 def test_an_abandoned_replay_drops_what_it_held(make_firewall: Callable[..., Any]) -> None:
     firewall, adapter = make_firewall({"notify": "on_commit"})
-    branch = firewall.begin_replay("lin")
+    branch = firewall.open_replay("lin")
     new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=3)
     report = firewall.finish_replay(branch, commit=False)
     assert report.held == [new.call_id] and firewall.outbox() == []
     record = firewall.ledger.get(new.call_id)
     assert record is not None and record.state == "dropped"
     assert firewall.commit("s", 3) == [] and adapter.fired == []
-    firewall.begin_replay("lin")
+    firewall.open_replay("lin")
     with pytest.raises(InvalidArguments):  # held for its turn's commit, so it needs a turn, replay or not
         firewall.call("s", "lin", "notify", {"text": "c"}, mode="shadow")
 
@@ -320,7 +321,7 @@ def test_an_abandoned_replay_drops_what_it_held(make_firewall: Callable[..., Any
 def test_an_open_replays_holds_wait_for_the_replay_to_finish(make_firewall: Callable[..., Any]) -> None:
     firewall, adapter = make_firewall({"notify": "on_commit"})
     original = firewall.call("s", "lin", "notify", {"text": "a"}, turn=2)
-    branch = firewall.begin_replay("lin")
+    branch = firewall.open_replay("lin")
     new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=2)
     # Released now, an effect of a replay that may yet be abandoned could not be taken back.
     for decide in (firewall.release, firewall.drop):
@@ -335,15 +336,15 @@ def test_an_open_replays_holds_wait_for_the_replay_to_finish(make_firewall: Call
     assert [r.state for r in firewall.commit("s", 2)] == ["done"] and adapter.fired == [new.call_id]
 
 
-def test_a_closing_session_abandons_its_open_replay(make_firewall: Callable[..., Any]) -> None:
+def test_an_abandoned_replay_drops_what_it_held_for_an_operator(make_firewall: Callable[..., Any]) -> None:
     firewall, adapter = make_firewall({"notify": "manual"})
-    assert firewall.abandon_open_replay("lin") is None
-    branch = firewall.begin_replay("lin")
+    branch = firewall.open_replay("lin")
     new = firewall.call("s", "lin", "notify", {"text": "b"}, mode="shadow", turn=1)
-    report = firewall.abandon_open_replay("lin")
-    assert report is not None and report.branch == branch and not report.committed
+    report = firewall.finish_replay(branch, commit=False)
+    assert report.branch == branch and not report.committed
+    assert firewall.replay_status(branch) == "abandoned"
     assert report.held == [new.call_id] and firewall.outbox() == [] and adapter.fired == []
-    firewall.begin_replay("lin")  # nothing is left open
+    firewall.open_replay("lin")  # nothing is left open
 
 
 def test_a_ledger_from_before_simulated_answers_gains_the_column(db_path: Path) -> None:
@@ -351,9 +352,9 @@ def test_a_ledger_from_before_simulated_answers_gains_the_column(db_path: Path) 
     old.execute("CREATE TABLE ledger_calls (call_id TEXT PRIMARY KEY, state TEXT, result TEXT)")
     old.commit()
     old.close()
-    db = open_database(str(db_path))
-    Ledger(db, threading.RLock())
-    assert "simulated" in db["ledger_calls"].columns_dict
+    db = Database(str(db_path))  # the migrations bring an old ledger up to date
+    Ledger(db)
+    assert "simulated" in {r["name"] for r in db.rows("PRAGMA table_info(ledger_calls)")}
     db.close()
 
 
@@ -361,7 +362,7 @@ def test_replay_from_turn_inherits_the_prefix(make_firewall: Callable[..., Any])
     firewall, adapter = make_firewall()
     early = firewall.call("s", "lin", "notify", {"text": "same"}, turn=1)
     late = firewall.call("s", "lin", "notify", {"text": "same"}, turn=5)
-    branch = firewall.begin_replay("lin", from_turn=3)
+    branch = firewall.open_replay("lin", from_turn=3)
     # Turn 1 is not replayed; the replay's first 'same' is the second occurrence, i.e. `late`.
     replayed = firewall.call("s", "lin", "notify", {"text": "same"}, mode="shadow", turn=5)
     assert replayed.call_id == late.call_id and replayed.deduplicated

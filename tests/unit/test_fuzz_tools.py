@@ -11,7 +11,6 @@ import json
 import math
 import posixpath
 import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,9 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sandboxd.calls import canonical_args
+from sandboxd.db import Database
 from sandboxd.errors import ErrorCode, SandboxdError
-from sandboxd.firewall import Firewall, open_database, parse_config
-from sandboxd.state import canonical_args
+from sandboxd.firewall import Firewall, parse_config
 from sandboxd.tools.builtin import BUILTIN_TOOLS, PATH_ARGUMENTS, executor_request
 from sandboxd.tools.registry import WORKSPACE, ToolRegistry, check_workspace_path
 
@@ -160,8 +160,8 @@ def firewall(refusing_port: int, tmp_path_factory: pytest.TempPathFactory) -> It
         "webhook": {"url": f"http://127.0.0.1:{refusing_port}/hook"},
         "adapter_timeout_s": 2.0,
     })
-    db = open_database(str(tmp_path_factory.mktemp("ledger") / "ledger.db"))
-    made = Firewall(config, db, threading.RLock())
+    db = Database(str(tmp_path_factory.mktemp("ledger") / "ledger.db"))
+    made = Firewall(config, db)
     yield made
     made.close()
     db.close()

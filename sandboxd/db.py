@@ -1,0 +1,153 @@
+"""The daemon's one persistence layer: a SQLite database, its one transaction helper, typed rows, migrations.
+
+One connection shared by the worker threads under one re-entrant lock, WAL mode and `synchronous=FULL`:
+a reply is sent only after its record is committed, so whatever the daemon acknowledged survives
+`kill -9`. `secure_delete` zeroes what a delete frees, so forgetting can be physical (see `purge`).
+
+Every table is created and changed by the numbered migrations of `sandboxd.migrations`, applied at
+start-up in order; `PRAGMA user_version` records the last one applied. Rows come back as the msgspec
+struct a caller names (`rows(sql, params, SessionRow)`), so no module passes `dict[str, Any]` around.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from sandboxd.migrations import MIGRATIONS, Migration
+
+T = TypeVar("T")
+
+
+def connect(path: Path | str) -> sqlite3.Connection:
+    """A connection with the pragmas every sandboxd database uses."""
+    conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    # Revoked content must not survive in freed pages.
+    conn.execute("PRAGMA secure_delete=ON")
+    return conn
+
+
+class Database:
+    """The state database: `transaction()` for writes, `rows()` / `row()` for typed reads."""
+
+    def __init__(self, path: Path | str, migrations: Sequence[Migration] = MIGRATIONS) -> None:
+        self.path = Path(path)
+        self.conn = connect(path)
+        self.lock = threading.RLock()
+        self.migrate(migrations)
+
+    # Transactions ------------------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self, *, durable: bool = False) -> Iterator[Database]:
+        """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception.
+
+        Opened inside another transaction it joins it, unless `durable`: a write-ahead record (an effect's
+        intent) must reach the disk when its block ends, before the effect fires, so nesting it is refused."""
+        with self.lock:
+            if self.conn.in_transaction:
+                if durable:
+                    raise RuntimeError("a durable transaction was opened inside an open transaction")
+                yield self
+                return
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            self.conn.execute("COMMIT")
+
+    def execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
+        """One statement under the lock (inside a transaction when it writes)."""
+        with self.lock:
+            return self.conn.execute(sql, list(params))
+
+    # Typed reads -------------------------------------------------------------------------------
+
+    def rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """Every row of a query, as a mapping of column to value (for queries no struct describes)."""
+        with self.lock:
+            cursor = self.conn.execute(sql, list(params))
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+
+    def row(self, sql: str, params: Iterable[Any] = ()) -> dict[str, Any] | None:
+        found = self.rows(sql, params)
+        return found[0] if found else None
+
+    def structs(self, sql: str, params: Iterable[Any], as_: type[T]) -> list[T]:
+        """Every row of a query, each as the msgspec struct `as_` (its fields name the columns it needs)."""
+        return [msgspec.convert(row, as_, strict=False) for row in self.rows(sql, params)]
+
+    def struct(self, sql: str, params: Iterable[Any], as_: type[T]) -> T | None:
+        """The first row of a query as `as_`, or None."""
+        found = self.structs(sql, params, as_)
+        return found[0] if found else None
+
+    def value(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        """The first column of the first row, or None."""
+        with self.lock:
+            found = self.conn.execute(sql, list(params)).fetchone()
+        return None if found is None else found[0]
+
+    # Typed writes (call inside `transaction()`) ---------------------------------------------------
+
+    def insert(self, table: str, row: msgspec.Struct | Mapping[str, Any], *, replace: bool = False) -> None:
+        """Insert one row from a struct (its fields are the columns) or a mapping."""
+        values = msgspec.to_builtins(row) if isinstance(row, msgspec.Struct) else dict(row)
+        columns = ", ".join(f'"{c}"' for c in values)
+        marks = ", ".join("?" for _ in values)
+        verb = "INSERT OR REPLACE" if replace else "INSERT"
+        self.execute(f'{verb} INTO "{table}" ({columns}) VALUES ({marks})', list(values.values()))
+
+    def update(self, table: str, where: Mapping[str, Any], **fields: Any) -> int:
+        """Set `fields` on the rows matching every `where` column; returns how many changed."""
+        sets = ", ".join(f'"{c}" = ?' for c in fields)
+        conditions = " AND ".join(f'"{c}" = ?' for c in where)
+        cursor = self.execute(f'UPDATE "{table}" SET {sets} WHERE {conditions}', [*fields.values(), *where.values()])
+        return int(cursor.rowcount)
+
+    # Housekeeping ------------------------------------------------------------------------------
+
+    def migrate(self, migrations: Sequence[Migration]) -> int:
+        """Apply the migrations newer than the database, each in its own transaction; returns the version."""
+        current = int(self.value("PRAGMA user_version") or 0)
+        for migration in sorted(migrations, key=lambda m: m.version):
+            if migration.version <= current:
+                continue
+            with self.transaction():
+                migration.apply(self.conn)
+                self.conn.execute(f"PRAGMA user_version = {int(migration.version)}")
+            current = migration.version
+        return current
+
+    def purge(self) -> None:
+        """Make deleted rows physically gone from the files, the WAL included.
+
+        secure_delete already overwrites deleted content (and freed pages) with zeros in the database
+        pages; what remains is the old page images in the WAL, which a TRUNCATE checkpoint removes.
+        Rejected: VACUUM on every purge, which rewrites the whole database under the lock (seconds once
+        many sessions share it) for nothing secure_delete has not already done.
+        """
+        with self.lock:
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def vacuum(self) -> None:
+        """Rewrite the whole database (and empty the WAL): the last resort when a scan still finds a value."""
+        with self.lock:
+            self.conn.execute("VACUUM")
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def close(self) -> None:
+        with self.lock:
+            self.conn.close()

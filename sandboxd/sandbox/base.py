@@ -1,0 +1,54 @@
+"""Where a session's tools run: the one interface of sandboxes, whatever isolates them.
+
+`ContainerManager` (sandboxd/sandbox/containers.py) is the real one: a hardened Docker container per
+session, with the executor inside. `LocalSandbox` (sandboxd/sandbox/local.py) runs the same executor
+code in the daemon's process on a temporary directory, with no isolation at all: it exists so the core
+logic (calls, snapshots, provenance, revocation) is tested in seconds without an engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from sandboxd.revocation.leakscan import LeakReport
+
+
+class Sandbox(Protocol):
+    """One sandbox per session, its workspace bound from the snapshot store's mount root."""
+
+    def image_exists(self, image: str) -> bool:
+        """Whether a session can be opened on this image."""
+        ...
+
+    def owner(self) -> tuple[int, int]:
+        """uid and gid that own the workspace inside the sandbox."""
+        ...
+
+    def create(self, session_id: str, image: str, mount_root: Path, propagation: str) -> str:
+        """Create and start the session's sandbox; returns its id once its executor answers."""
+        ...
+
+    def remove(self, session_id: str) -> None:
+        """Remove the session's sandbox; a missing one is fine."""
+        ...
+
+    def ensure_running(self, session_id: str) -> bool:
+        """Start (or restart) a sandbox that stopped or stopped answering; False when it no longer exists."""
+        ...
+
+    def request(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One executor request (raises SandboxUnavailable when the sandbox does not answer)."""
+        ...
+
+    def oom_killed(self, session_id: str) -> bool:
+        """Whether the whole sandbox was stopped for running out of memory."""
+        ...
+
+    def sessions(self) -> list[str]:
+        """Sessions that have a sandbox of this daemon, running or not."""
+        ...
+
+    def scan_scratch(self, session_id: str, needles: list[bytes]) -> LeakReport:
+        """Byte-scan what only the sandbox holds (its scratch tmpfs)."""
+        ...

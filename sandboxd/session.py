@@ -1,0 +1,330 @@
+"""Sessions: the one model everything else is built on. A session's row, its lock, its sandbox, its snapshots.
+
+`Sessions` owns the `sessions` and `snapshots` tables, a lock per open session (requests of one session
+are serialised; different sessions run in parallel; a closed session's lock is dropped), the sandbox
+(`sandboxd.sandbox.base.Sandbox`) and the snapshot store. It takes and restores snapshots, knows which
+snapshot equals the sandbox now, and recovers all of it after a crash. It is also the branch participant
+that holds the sandbox's files: a branch begins by restoring its splice checkpoint's snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import msgspec
+
+from sandboxd import protocol as p
+from sandboxd.branch import Branch
+from sandboxd.db import Database
+from sandboxd.errors import (
+    NotFound,
+    SandboxUnavailable,
+    SessionClosed,
+    SnapshotFailed,
+    SnapshotNotFound,
+    UnknownSession,
+)
+from sandboxd.sandbox.base import Sandbox
+from snapshots import SnapshotError, SnapshotStore, UnknownSnapshot
+
+log = logging.getLogger("sandboxd")
+
+IMAGE_REFERENCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}")
+"""Characters Docker allows in an image name, tag or digest; anything else is refused before the engine sees it."""
+
+#: label of the snapshots the daemon takes for agent checkpoints (deleted with the suffix they belong to)
+CHECKPOINT_LABEL = "checkpoint"
+
+
+class SessionRow(msgspec.Struct, kw_only=True):
+    """A session as stored: `state` is opening, open, closing, closed or failed."""
+
+    session_id: str
+    image: str
+    state: str
+    created_at: float
+    owner: str
+    """The opener's CURVE public key, or "local" for the owner of the ipc socket."""
+    closed_at: float | None = None
+    container_id: str | None = None
+    env_snapshot: str | None = None
+    """A snapshot equal to the sandbox now, or None once a write-class call may have changed it."""
+
+    def info(self) -> p.SessionInfo:
+        return p.SessionInfo(session_id=self.session_id, image=self.image,
+                             state="open" if self.state == "open" else "closed", created_at=self.created_at,
+                             container=self.container_id)
+
+
+class SnapshotRow(msgspec.Struct, kw_only=True):
+    snapshot_id: str
+    session_id: str
+    created_at: float
+    label: str | None = None
+    layers: int = 1
+    elapsed_ms: float = 0.0
+
+    def info(self) -> p.SnapshotInfo:
+        return p.SnapshotInfo(snapshot_id=self.snapshot_id, session_id=self.session_id, created_at=self.created_at,
+                              label=self.label, layers=self.layers or 1, elapsed_ms=self.elapsed_ms or 0.0)
+
+
+Timed = Callable[[str], AbstractContextManager[object]]
+
+
+class Sessions:
+    """Every session of the daemon; see the module docstring."""
+
+    name = "sandbox"
+
+    def __init__(self, db: Database, sandbox: Sandbox, store: SnapshotStore, default_image: str,
+                 timed: Timed | None = None) -> None:
+        self.db = db
+        self.sandbox = sandbox
+        self.store = store
+        self.default_image = default_image
+        self.timed: Timed = timed or (lambda _op: _untimed())
+        self.live_snapshots: Callable[[str], set[str]] = lambda _sid: set()
+        """The snapshots a session's live checkpoints refer to (provenance tells; set by the composition)."""
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    # Rows --------------------------------------------------------------------------------------
+
+    def get(self, session_id: str) -> SessionRow | None:
+        return self.db.struct("SELECT * FROM sessions WHERE session_id = ?", [session_id], SessionRow)
+
+    def known(self, session_id: str) -> SessionRow:
+        row = self.get(session_id)
+        if row is None:
+            raise UnknownSession(session_id)
+        return row
+
+    def check_open(self, session_id: str) -> SessionRow:
+        row = self.known(session_id)
+        if row.state != "open":
+            raise SessionClosed(session_id)
+        return row
+
+    def in_states(self, states: tuple[str, ...] = ("open",), owner: str | None = None) -> list[SessionRow]:
+        """Sessions in these states, oldest first; only `owner`'s when one is given."""
+        where, params = f"state IN ({','.join('?' for _ in states)})", list(states)
+        if owner is not None:
+            where, params = where + " AND owner = ?", [*params, owner]
+        return self.db.structs(f"SELECT * FROM sessions WHERE {where} ORDER BY created_at", params, SessionRow)
+
+    def count_open(self) -> int:
+        return int(self.db.value("SELECT COUNT(*) FROM sessions WHERE state = 'open'") or 0)
+
+    def update(self, session_id: str, **fields: Any) -> None:
+        with self.db.transaction():
+            self.db.update("sessions", {"session_id": session_id}, **fields)
+
+    def lock(self, session_id: str) -> threading.Lock:
+        """The lock that serialises a session's requests."""
+        with self._guard:
+            return self._locks.setdefault(session_id, threading.Lock())
+
+    def _forget_lock(self, session_id: str) -> None:
+        with self._guard:
+            self._locks.pop(session_id, None)
+
+    # Lifecycle ---------------------------------------------------------------------------------
+
+    def open(self, image: str | None, owner: str) -> SessionRow:
+        """A new session with a running sandbox on an empty workspace."""
+        session_id = "s-" + uuid.uuid4().hex[:12]
+        image = image or self.default_image
+        if not IMAGE_REFERENCE.fullmatch(image):
+            raise NotFound(f"{image!r} is not an image reference (name[:tag], name@digest or an id)", image=image)
+        if not self.sandbox.image_exists(image):
+            raise NotFound(f"image {image!r} not found on the Docker engine", image=image)
+        with self.db.transaction():
+            self.db.insert("sessions", SessionRow(session_id=session_id, image=image, state="opening",
+                                                  created_at=time.time(), owner=owner))
+        with self.lock(session_id):
+            try:
+                root = self.store.create(session_id, self.sandbox.owner())
+                container_id = self.sandbox.create(session_id, image, root, self.store.propagation)
+            except BaseException:
+                self.teardown(session_id)
+                self.update(session_id, state="failed", closed_at=time.time())
+                raise
+            self.update(session_id, state="open", container_id=container_id)
+        return self.known(session_id)
+
+    def teardown(self, session_id: str) -> None:
+        """Remove the session's sandbox and snapshot store (its rows stay)."""
+        self.sandbox.remove(session_id)
+        self.store.destroy(session_id)
+        with self.db.transaction():
+            self.db.execute("DELETE FROM snapshots WHERE session_id = ?", [session_id])
+
+    def closed(self, session_id: str) -> None:
+        """The session is closed: its row says so and its lock is gone."""
+        self.update(session_id, state="closed", closed_at=time.time())
+        self._forget_lock(session_id)
+
+    # The sandbox -------------------------------------------------------------------------------
+
+    def executor(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One executor request; a dead sandbox is restarted and the failure reported."""
+        try:
+            return self.sandbox.request(session_id, payload, timeout)
+        except SandboxUnavailable as exc:
+            oom_killed = self.sandbox.oom_killed(session_id)
+            restarted = self.sandbox.ensure_running(session_id)
+            raise SandboxUnavailable(f"{exc.message}; sandbox {'restarted' if restarted else 'is gone'}",
+                                     session_id=session_id, restarted=restarted, oom_killed=oom_killed) from exc
+
+    def quiesce(self, session_id: str) -> None:
+        """No process of the sandbox may write into a layer while it is frozen or replaced."""
+        reply = self.executor(session_id, {"op": "reap"}, 10.0)
+        if not reply.get("ok"):
+            raise SandboxUnavailable(f"could not quiesce {session_id}: {reply}")
+
+    # Snapshots (the caller holds the session lock) -----------------------------------------------
+
+    def take(self, session_id: str, label: str | None) -> SnapshotRow:
+        """Freeze the sandbox; the sandbox then equals this snapshot."""
+        snapshot_id = "snap-" + uuid.uuid4().hex[:12]
+        with self.timed("snapshot"):
+            self.quiesce(session_id)
+            try:
+                taken = self.store.take(session_id, snapshot_id)
+            except (SnapshotError, OSError) as exc:
+                raise SnapshotFailed(f"snapshot of {session_id} failed: {exc}") from exc
+        row = SnapshotRow(snapshot_id=snapshot_id, session_id=session_id, label=label,
+                          created_at=taken.record.created_at, layers=len(taken.record.layers),
+                          elapsed_ms=taken.elapsed_ms)
+        with self.db.transaction():
+            self.db.insert("snapshots", row)
+            self.db.update("sessions", {"session_id": session_id}, env_snapshot=snapshot_id)
+        return row
+
+    def current(self, session_id: str) -> str:
+        """A snapshot equal to the sandbox now: the last one if nothing was written since, else a new one."""
+        row = self.check_open(session_id)
+        if row.env_snapshot and self.snapshot(row.env_snapshot) is not None:
+            return row.env_snapshot
+        return self.take(session_id, CHECKPOINT_LABEL).snapshot_id
+
+    def restore(self, session_id: str, snapshot_id: str) -> float:
+        """Put the sandbox back to a snapshot; returns milliseconds spent in the store."""
+        self.own_snapshot(session_id, snapshot_id)
+        with self.timed("restore"):
+            self.quiesce(session_id)
+            # /tmp is scratch, not part of a snapshot: a restored sandbox starts it empty.
+            self.executor(session_id, {"op": "clear_scratch"}, 10.0)
+            # Until the restore is known to be done, no snapshot is known to equal the sandbox.
+            self.update(session_id, env_snapshot=None)
+            try:
+                done = self.store.restore(session_id, snapshot_id)
+            except UnknownSnapshot as exc:
+                raise SnapshotNotFound(snapshot_id, session_id) from exc
+            except (SnapshotError, OSError) as exc:
+                raise SnapshotFailed(f"restore of {snapshot_id} failed: {exc}") from exc
+        self.update(session_id, env_snapshot=snapshot_id)
+        return done.elapsed_ms
+
+    def snapshot(self, snapshot_id: str) -> SnapshotRow | None:
+        return self.db.struct("SELECT * FROM snapshots WHERE snapshot_id = ?", [snapshot_id], SnapshotRow)
+
+    def snapshots(self, session_id: str) -> list[SnapshotRow]:
+        return self.db.structs("SELECT * FROM snapshots WHERE session_id = ? ORDER BY created_at, snapshot_id",
+                               [session_id], SnapshotRow)
+
+    def own_snapshot(self, session_id: str, snapshot_id: str) -> SnapshotRow:
+        row = self.snapshot(snapshot_id)
+        if row is None or row.session_id != session_id:
+            raise SnapshotNotFound(snapshot_id, session_id)
+        return row
+
+    def delete(self, session_id: str, snapshot_id: str) -> None:
+        self.own_snapshot(session_id, snapshot_id)
+        try:
+            self.store.delete(session_id, snapshot_id)
+        except UnknownSnapshot:
+            pass  # a crash between store and state already removed the files
+        with self.db.transaction():
+            self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", [snapshot_id])
+
+    def drop_checkpoint_snapshots(self, session_id: str, keep: set[str]) -> None:
+        """Delete checkpoint snapshots no remaining checkpoint refers to (an old suffix's)."""
+        current = self.check_open(session_id).env_snapshot
+        for row in self.snapshots(session_id):
+            if row.label == CHECKPOINT_LABEL and row.snapshot_id not in keep and row.snapshot_id != current:
+                self.delete(session_id, row.snapshot_id)
+
+    # The branch participant that holds the sandbox's files --------------------------------------
+
+    def begin(self, branch: Branch) -> None:
+        """The sandbox goes back to the splice checkpoint's snapshot (the caller holds the session lock)."""
+        if branch.splice.snapshot_id:
+            self.restore(branch.session_id, branch.splice.snapshot_id)
+
+    def commit(self, branch: Branch) -> dict[str, Any]:
+        """The old suffix's checkpoint snapshots go, and their blocks leave the session's disk image."""
+        if self.get(branch.session_id) is not None and self.known(branch.session_id).state == "open":
+            self.drop_checkpoint_snapshots(branch.session_id, self.live_snapshots(branch.session_id))
+            self.store.trim(branch.session_id)
+        return {}
+
+    def abandon(self, branch: Branch) -> None:
+        """The sandbox goes back to where the live branch left it (its latest checkpoint's snapshot)."""
+        row = self.get(branch.session_id)
+        if row is None or row.state != "open":
+            return
+        live = self.live_snapshots(branch.session_id)
+        latest = next((s.snapshot_id for s in reversed(self.snapshots(branch.session_id)) if s.snapshot_id in live),
+                      None)
+        if latest is not None:
+            self.restore(branch.session_id, latest)
+
+    # Recovery ----------------------------------------------------------------------------------
+
+    def recover(self) -> set[str]:
+        """Bring sessions, sandboxes and snapshots back in line after a crash; returns the open sessions."""
+        for row in self.in_states(("opening", "closing")):
+            self.teardown(row.session_id)
+            self.update(row.session_id, state="failed" if row.state == "opening" else "closed",
+                        closed_at=time.time())
+        live = set()
+        for row in self.in_states(("open",)):
+            self._recover(row)
+            live.add(row.session_id)
+        for session_id in set(self.sandbox.sessions()) - live:
+            log.warning("removing orphaned sandbox of %s", session_id)
+            self.sandbox.remove(session_id)
+        for workspace in set(self.store.workspaces()) - live:
+            log.warning("removing orphaned workspace %s", workspace)
+            self.store.destroy(workspace)
+        return live
+
+    def _recover(self, row: SessionRow) -> None:
+        session_id = row.session_id
+        self.store.recover(session_id)
+        on_disk = {r.snapshot_id for r in self.store.list(session_id)}
+        recorded = {r.snapshot_id for r in self.snapshots(session_id)}
+        for snapshot_id in on_disk - recorded:  # taken but never acknowledged
+            self.store.delete(session_id, snapshot_id)
+        with self.db.transaction():
+            for snapshot_id in recorded - on_disk:  # deleted from disk, row left by a crash
+                self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", [snapshot_id])
+        if not self.sandbox.ensure_running(session_id):
+            log.warning("recreating the missing sandbox of %s", session_id)
+            container_id = self.sandbox.create(session_id, row.image, self.store.mount_root(session_id),
+                                               self.store.propagation)
+            self.update(session_id, container_id=container_id)
+
+
+@contextmanager
+def _untimed() -> Iterator[None]:
+    yield
