@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"sandboxd serve: {exc}") from exc
     try:
         run(config, verbose=args.verbose)
-    except SandboxdError as exc:  # an engine that cannot run the sandboxes as configured
+    except (SandboxdError, KeyFileError) as exc:  # an engine or key file that cannot serve as configured
         raise SystemExit(f"sandboxd serve: {exc}") from exc
 
 

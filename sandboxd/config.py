@@ -13,7 +13,6 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from sandboxd.auth import ServerKeys
 from sandboxd.firewall.config import FirewallConfig
 from sandboxd.metrics import parse_metrics_address
 from sandboxd.protocol import DEFAULT_MAX_FRAME
@@ -209,4 +208,3 @@ def _check_endpoint(config: DaemonConfig) -> None:
         # Not even on loopback: any local user (off loopback, anyone) could connect and act as any agent.
         raise ValueError(f"refusing to bind {endpoint} without CURVE authentication: set [auth] "
                          "server_secret_key_file and client_keys_dir (make keys with `sandboxd keys`)")
-    ServerKeys.load(config.auth)  # fail at start-up, naming the bad file, not at the first client

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any
 
+from sandboxd.auth import ServerKeys
 from sandboxd.config import DaemonConfig
 from sandboxd.db import Database
 from sandboxd.metrics import MetricsServer, parse_metrics_address
@@ -49,6 +50,8 @@ def build(config: DaemonConfig) -> tuple[Service, Server]:
     """Open the state, recover from any crash, and return a ready service and server."""
     config.state_path.mkdir(parents=True, exist_ok=True)
     config.state_path.chmod(0o700)
+    # Loaded once, first: a bad key file is named before any state is opened or container touched.
+    keys = ServerKeys.load(config.auth) if config.endpoint.startswith("tcp://") else None
     db = Database(config.state_path / "state.db")
     store = open_store(config.snapshot_backend, config.state_path / "snapshots", config.max_layers,
                        config.sandbox.disk_mb)
@@ -56,7 +59,7 @@ def build(config: DaemonConfig) -> tuple[Service, Server]:
     containers.check_runtime()
     service = Service(config, db, containers, store)
     service.recover()
-    return service, Server(config, service)
+    return service, Server(config, service, keys)
 
 
 def run(config: DaemonConfig, verbose: bool = False) -> None:

@@ -1,8 +1,11 @@
 """The daemon's one persistence layer: a SQLite database, its one transaction helper, typed rows, migrations.
 
-One connection shared by the worker threads under one re-entrant lock, WAL mode and `synchronous=FULL`:
-a reply is sent only after its record is committed, so whatever the daemon acknowledged survives
-`kill -9`. `secure_delete` zeroes what a delete frees, so forgetting can be physical (see `purge`).
+Writes go through one connection under one re-entrant lock, WAL mode and `synchronous=FULL`: a reply
+is sent only after its record is committed, so whatever the daemon acknowledged survives `kill -9`.
+Reads from a thread that is not writing take a connection of their own (one per thread, WAL readers
+see the last commit) and no lock, so a listing answered on the socket thread never waits behind a
+revocation's transaction or a VACUUM. `secure_delete` zeroes what a delete frees, so forgetting can
+be physical (see `purge`).
 
 Every table is created and changed by the numbered migrations of `sandboxd.migrations`, applied at
 start-up in order; `PRAGMA user_version` records the last one applied. Rows come back as the msgspec
@@ -43,7 +46,33 @@ class Database:
         self.path = Path(path)
         self.conn = connect(path)
         self.lock = threading.RLock()
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
         self.migrate(migrations)
+
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """The write connection, under the lock; this thread's reads go through it meanwhile."""
+        with self.lock:
+            self._local.depth = getattr(self._local, "depth", 0) + 1
+            try:
+                yield self.conn
+            finally:
+                self._local.depth -= 1
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        if getattr(self._local, "depth", 0):
+            yield self.conn  # inside this thread's own write: read what it wrote
+            return
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = sqlite3.connect(str(self.path), check_same_thread=False,
+                                                          isolation_level=None, timeout=30)
+            reader.execute("PRAGMA query_only=ON")
+            with self.lock:
+                self._readers.append(reader)
+        yield reader
 
     # Transactions ------------------------------------------------------------------------------
 
@@ -53,7 +82,7 @@ class Database:
 
         Opened inside another transaction it joins it, unless `durable`: a write-ahead record (an effect's
         intent) must reach the disk when its block ends, before the effect fires, so nesting it is refused."""
-        with self.lock:
+        with self._writing():
             if self.conn.in_transaction:
                 if durable:
                     raise RuntimeError("a durable transaction was opened inside an open transaction")
@@ -69,15 +98,15 @@ class Database:
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         """One statement under the lock (inside a transaction when it writes)."""
-        with self.lock:
-            return self.conn.execute(sql, list(params))
+        with self._writing() as conn:
+            return conn.execute(sql, list(params))
 
     # Typed reads -------------------------------------------------------------------------------
 
     def rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         """Every row of a query, as a mapping of column to value (for queries no struct describes)."""
-        with self.lock:
-            cursor = self.conn.execute(sql, list(params))
+        with self._reading() as conn:
+            cursor = conn.execute(sql, list(params))
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
 
@@ -96,8 +125,8 @@ class Database:
 
     def value(self, sql: str, params: Iterable[Any] = ()) -> Any:
         """The first column of the first row, or None."""
-        with self.lock:
-            found = self.conn.execute(sql, list(params)).fetchone()
+        with self._reading() as conn:
+            found = conn.execute(sql, list(params)).fetchone()
         return None if found is None else found[0]
 
     # Typed writes (call inside `transaction()`) ---------------------------------------------------
@@ -139,15 +168,18 @@ class Database:
         Rejected: VACUUM on every purge, which rewrites the whole database under the lock (seconds once
         many sessions share it) for nothing secure_delete has not already done.
         """
-        with self.lock:
-            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with self._writing() as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def vacuum(self) -> None:
         """Rewrite the whole database (and empty the WAL): the last resort when a scan still finds a value."""
-        with self.lock:
-            self.conn.execute("VACUUM")
-            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with self._writing() as conn:
+            conn.execute("VACUUM")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         with self.lock:
+            for reader in self._readers:
+                reader.close()
+            self._readers.clear()
             self.conn.close()

@@ -76,13 +76,15 @@ class _Listener:
 class Server:
     """Serves one `Handler` on the configured endpoints until `stop()`."""
 
-    def __init__(self, config: DaemonConfig, service: Handler) -> None:
+    def __init__(self, config: DaemonConfig, service: Handler, keys: ServerKeys | None = None) -> None:
         self.config = config
         self.service = service
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="sandboxd-worker")
-        self.keys = ServerKeys.load(config.auth) if config.endpoint.startswith("tcp://") else None
+        if config.endpoint.startswith("tcp://") and keys is None:
+            raise ValueError(f"{config.endpoint} is served with CURVE only: load the server's keys first")
+        self.keys = keys
         self._parked: list[_Parked] = []
         service.events.listen(self._wake)
 

@@ -13,8 +13,9 @@ import builtins
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -60,11 +61,11 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Write JSON so that a crash leaves either the old file or the new one, never half of it."""
+def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write a file so that a crash leaves either the old file or the new one, never half of it."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(value, fh)
+    with open(tmp, "wb") as fh:
+        write(fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -73,6 +74,10 @@ def write_json_atomic(path: Path, value: Any) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    write_atomic(path, lambda fh: fh.write(json.dumps(value).encode()))
 
 
 class SnapshotStore(abc.ABC):

@@ -46,6 +46,7 @@ from sandboxd.branch import Branch
 from sandboxd.errors import InvalidArguments, NotFound
 from sandboxd.firewall.adapters import EffectAdapter
 from sandboxd.protocol import ToolManifest
+from snapshots.base import write_atomic
 
 #: Every tool of AgentDojo's default suites that changes its environment, found by running every user
 #: and injection task's ground truth and comparing the environment before and after each call
@@ -278,17 +279,7 @@ class AgentDojoWorld:
 
     def _save(self, path: Path, env: Any) -> None:
         """Atomically replace a pickle: what a call changed survives a kill -9."""
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
-            pickle.dump(env, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_atomic(path, lambda fh: pickle.dump(env, fh))
 
     # The branch participant -------------------------------------------------------------------
 
