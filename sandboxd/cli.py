@@ -149,7 +149,7 @@ def _call_args(text: str) -> dict[str, Any]:
         try:
             text, source = Path(text[1:]).read_text(), f"--args {text}"
         except (OSError, UnicodeDecodeError) as exc:
-            raise SystemExit(f"sandboxd call: cannot read {text[1:]}: {exc}") from exc
+            raise SystemExit(f"sandboxd call: --args {text}: cannot read {text[1:]}: {exc}") from exc
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

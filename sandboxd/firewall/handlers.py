@@ -101,7 +101,7 @@ class FirewallHandlers:
         record = self.firewall.ledger.get(req.call_id)
         if record is None:
             raise InvalidState(req.call_id, "absent", "staged", "no such call in the ledger")
-        if not req.force and self.known(record.session_id).state != "open":
+        if not req.force and record.state == "staged" and self.known(record.session_id).state != "open":
             raise HeldByClosedSession(req.call_id, record.session_id)
         result = self.firewall.release(req.call_id, actor=peer.key, reason=req.reason)
         return p.ReleaseCallResponse(request_id=req.request_id, result=call_result(result))

@@ -300,7 +300,7 @@ def read_file(req: dict[str, Any]) -> dict[str, Any]:
     if text is None:
         return {"exit_code": 1, "stdout": "", "stdout_size": size, "stderr": (
             f"{req['path']} is a binary file ({size} bytes), not shown as text; copy it out with "
-            f"`sandboxd cp SESSION:{req['path']} LOCAL_PATH`")}
+            f"`sandboxd cp SESSION:{req['path']} LOCAL_PATH`\n")}
     return {"exit_code": 0, "stdout": text, "stderr": "", "stdout_truncated": cut, "stdout_size": size}
 
 
