@@ -42,6 +42,7 @@ from sandboxd.firewall.flow import tainted_argument
 from sandboxd.firewall.handlers import FirewallHandlers, result_text
 from sandboxd.revocation.forgetting import ForgetFilter
 from sandboxd.session import Sessions
+from sandboxd.streams import Streams
 from sandboxd.tools.builtin import executor_request
 from sandboxd.tools.registry import ToolRegistry
 
@@ -53,6 +54,13 @@ _EXECUTOR_ERRORS: dict[str, Callable[[str, dict[str, Any]], SandboxdError]] = {
     "invalid_arguments": lambda msg, d: InvalidArguments(str(d.get("tool", "")), msg),
     "resource_limit": lambda msg, d: ResourceLimit(str(d.pop("call_id", "")), str(d.pop("limit", "disk")), msg, **d),
 }
+
+
+def executor_failure(reply: dict[str, Any], **details: Any) -> SandboxdError:
+    """The error an executor's error reply stands for."""
+    details = dict(reply.get("details") or {}, **details)
+    factory = _EXECUTOR_ERRORS.get(reply["error"])
+    return factory(reply["message"], details) if factory else ToolError(reply["message"], **details)
 
 
 class CallRow(msgspec.Struct, kw_only=True):
@@ -102,6 +110,7 @@ class Calls:
         self.effects = effects
         self.forget = forget
         self.flagged = flagged
+        self.streams = Streams()
 
     def call(self, req: p.CallRequest) -> p.CallResponse:
         manifest = self.tools.validate(req.tool, req.args)
@@ -127,6 +136,10 @@ class Calls:
             try:
                 result = self.sanitized(req.session_id, self._execute(req, call_id))
             except SandboxdError as exc:
+                if isinstance(exc, ToolTimeout) and (forget := self.forget(req.session_id)):
+                    # What it wrote before it was killed is shown too: with forgotten values out, like any result.
+                    for stream in ("stdout", "stderr"):
+                        exc.details[stream] = forget.text(str(exc.details.get(stream, "")))
                 code, message, details = to_wire(exc)
                 status = "timeout" if isinstance(exc, ToolTimeout) else "error"
                 self._finish(req.session_id, call_id, status,
@@ -134,10 +147,20 @@ class Calls:
                 log.info("call %s of %s: %s", call_id, req.tool, status,
                          extra={"request_id": req.request_id, "session_id": req.session_id, "call_id": call_id})
                 raise
+            finally:
+                self.streams.close(req.session_id, call_id)
             self._finish(req.session_id, call_id, "done", {"kind": "result", **msgspec.to_builtins(result)})
             log.debug("call %s of %s: done", call_id, req.tool,
                       extra={"request_id": req.request_id, "session_id": req.session_id, "call_id": call_id})
         return p.CallResponse(request_id=req.request_id, result=result)
+
+    def output(self, req: p.CallOutputRequest) -> p.CallOutputResponse:
+        """What a streamed call has written so far (a long-poll; never takes the session lock the call holds)."""
+        self.sessions.known(req.session_id)
+        out, err, running = self.streams.read(req.session_id, req.call_id, req.stdout_offset, req.stderr_offset,
+                                              req.timeout_s)
+        return p.CallOutputResponse(request_id=req.request_id, call_id=req.call_id, stdout=out, stderr=err,
+                                    running=running)
 
     def sanitized(self, session_id: str, result: p.CallResult) -> p.CallResult:
         """A result with the session's forgotten values excised, before it is recorded or returned.
@@ -162,8 +185,12 @@ class Calls:
         if req.clock is not None:
             payload["clock"] = req.clock
         started = time.monotonic()
+        on_output = None
+        if req.stream and not self.forget(req.session_id):  # see sandboxd.streams
+            payload["stream"] = True
+            on_output = self.streams.open(req.session_id, call_id).write
         try:
-            reply = self.sessions.executor(req.session_id, payload, timeout + 10.0)
+            reply = self.sessions.executor(req.session_id, payload, timeout + 10.0, on_output)
         except SandboxUnavailable as exc:
             if not exc.details.get("oom_killed"):
                 raise
@@ -172,9 +199,7 @@ class Calls:
                                 f"(limit {self.config.sandbox.memory_mb} MB) and was restarted",
                                 restarted=exc.details.get("restarted")) from exc
         if "error" in reply:
-            details = dict(reply.get("details") or {}, call_id=call_id, tool=req.tool)
-            factory = _EXECUTOR_ERRORS.get(reply["error"])
-            raise factory(reply["message"], details) if factory else ToolError(reply["message"], **details)
+            raise executor_failure(reply, call_id=call_id, tool=req.tool)
         if reply.get("timed_out"):
             raise ToolTimeout(call_id, timeout, reply.get("stdout", ""), reply.get("stderr", ""))
         if reply.get("oom_killed"):
@@ -185,6 +210,7 @@ class Calls:
             stdout=reply.get("stdout", ""), stderr=reply.get("stderr", ""),
             stdout_truncated=bool(reply.get("stdout_truncated")),
             stderr_truncated=bool(reply.get("stderr_truncated")),
+            stdout_size=reply.get("stdout_size"), stderr_size=reply.get("stderr_size"),
             duration_ms=(time.monotonic() - started) * 1000,
         )
 
@@ -194,7 +220,10 @@ class Calls:
         return self.db.struct("SELECT * FROM calls WHERE session_id = ? AND call_id = ?", [session_id, call_id],
                               CallRow)
 
-    def of_session(self, session_id: str) -> list[CallRow]:
+    def of_session(self, session_id: str | None) -> list[CallRow]:
+        """A session's call records in order; None: every session's."""
+        if session_id is None:
+            return self.db.structs("SELECT * FROM calls ORDER BY created_at, seq", [], CallRow)
         return self.db.structs("SELECT * FROM calls WHERE session_id = ? ORDER BY seq", [session_id], CallRow)
 
     def _begin(self, call_id: str, req: p.CallRequest, effect: str) -> None:

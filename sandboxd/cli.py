@@ -10,13 +10,16 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from sandboxd import protocol as p
 from sandboxd.auth import KeyFileError, generate_keys
 from sandboxd.client import Client
 from sandboxd.config import load_config
@@ -35,6 +38,27 @@ def _table(rows: list[list[str]]) -> str:
         return "(none)"
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _age(seconds: float | None) -> str:
+    """A duration as an operator reads it: 42s, 7m, 3h, 2d."""
+    if seconds is None:
+        return ""
+    seconds = max(seconds, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return ""
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -91,7 +115,7 @@ def cmd_tools(args: argparse.Namespace, client: Client) -> None:
 
 def cmd_session(args: argparse.Namespace, client: Client) -> None:
     if args.action == "open":
-        info = client.open_session(args.image)
+        info = client.open_session(args.image, idle_timeout_s=args.idle_timeout, ttl_s=args.ttl)
         _print(args, info, lambda s: s.session_id)
     elif args.action == "close":
         if not args.id:
@@ -99,26 +123,131 @@ def cmd_session(args: argparse.Namespace, client: Client) -> None:
         client.close_session(args.id)
         _print(args, {"session_id": args.id, "state": "closed"}, lambda d: f"closed {d['session_id']}")
     else:
-        sessions = client.sessions(include_closed=args.all)
-        _print(args, sessions, lambda ss: _table([["SESSION", "STATE", "IMAGE"]]
-                                                 + [[s.session_id, s.state, s.image] for s in ss]))
+        _print(args, client.sessions(include_closed=args.all), _sessions_table)
+
+
+def _sessions_table(sessions: list[p.SessionInfo]) -> str:
+    now = time.time()
+    rows = [["SESSION", "STATE", "IMAGE", "AGE", "IDLE", "MEMORY", "CPU", "PIDS", "CLOSES"]]
+    for s in sessions:
+        idle = None if s.last_used_at is None else now - s.last_used_at
+        limits = [f"idle {_age(s.idle_timeout_s)}" if s.idle_timeout_s else "",
+                  f"at {_age(s.ttl_s)} old" if s.ttl_s else ""]
+        cpu = s.usage.get("cpu_s")
+        rows.append([s.session_id, s.state, s.image, _age(now - s.created_at), _age(idle),
+                     _bytes(s.usage.get("memory_bytes")), "" if cpu is None else f"{cpu:.1f}s",
+                     str(s.usage.get("pids", "")), ", ".join(x for x in limits if x) or "never"])
+    return _table(rows)
+
+
+def _call_args(text: str) -> dict[str, Any]:
+    """--args: a JSON object, `@FILE` to read it from a file, `-` to read it from stdin."""
+    source = "--args"
+    if text == "-":
+        text, source = sys.stdin.read(), "--args - (stdin)"
+    elif text.startswith("@"):
+        try:
+            text, source = Path(text[1:]).read_text(), f"--args {text}"
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"sandboxd call: --args {text}: cannot read {text[1:]}: {exc}") from exc
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"sandboxd call: {source} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise SystemExit(f"sandboxd call: {source} must be a JSON object")
+    return value
+
+
+def _call_id(args: argparse.Namespace, client: Client) -> str | None:
+    """The call id to send: --retry's (which must name an earlier call), --call-id, or for an effectful call
+    (or a streamed one) a new one, printed so a retry can name it and never run the call twice."""
+    if args.retry:
+        if args.call_id and args.call_id != args.retry:
+            raise SystemExit("sandboxd call: --retry and --call-id name different calls")
+        known = {name for c in client.calls(args.session) for name in (c.call_id, *c.agent_call_ids)}
+        if args.retry not in known:
+            raise SystemExit(f"sandboxd call: no call {args.retry} in session {args.session} to retry "
+                             "(`sandboxd calls SESSION` lists them)")
+        return str(args.retry)
+    if args.call_id:
+        return str(args.call_id)
+    effect = next((t.effect for t in client.tools(args.session) if t.name == args.tool), None)
+    if effect == "read" and not args.stream:
+        return None
+    minted = "cli-" + uuid.uuid4().hex[:16]
+    print(f"sandboxd: call id {minted}; if you cannot tell whether it ran, repeat the command with "
+          f"--retry {minted} (a retry never runs it twice)", file=sys.stderr)
+    return minted
 
 
 def cmd_call(args: argparse.Namespace, client: Client) -> None:
-    try:
-        call_args = json.loads(args.args)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"sandboxd call: --args is not valid JSON: {exc}") from exc
-    if not isinstance(call_args, dict):
-        raise SystemExit("sandboxd call: --args must be a JSON object")
-    result = client.call(args.session, args.tool, call_args, call_id=args.call_id, timeout_s=args.call_timeout)
+    call_args = _call_args(args.args)
+    call_id = _call_id(args, client)
+    streamed = (0, 0)
+    if args.stream:
+        assert call_id is not None
+        result, streamed = _streamed_call(args, client, call_args, call_id)
+    else:
+        result = client.call(args.session, args.tool, call_args, call_id=call_id, timeout_s=args.call_timeout,
+                             turn=args.turn)
     if args.json:
         _print(args, result, str)
         return
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr)
+    if streamed == (0, 0):
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+    _announce_truncation(result)
+    if result.held:
+        print(f"sandboxd: {result.call_id} is held ({result.state}): `sandboxd outbox release {result.call_id}` "
+              "fires it", file=sys.stderr)
     if result.exit_code:
         raise SystemExit(result.exit_code if 0 < result.exit_code < 256 else 1)
+
+
+def _announce_truncation(result: p.CallResult) -> None:
+    for name, cut, shown, size in (("stdout", result.stdout_truncated, result.stdout, result.stdout_size),
+                                   ("stderr", result.stderr_truncated, result.stderr, result.stderr_size)):
+        if cut:
+            whole = f"of {size} bytes" if size is not None else "(its full size was not reported)"
+            print(f"\nsandboxd: {name} truncated: {len(shown.encode())} bytes shown {whole}; write it to a file "
+                  "in the workspace and copy that out with `sandboxd cp SESSION:PATH LOCAL`", file=sys.stderr)
+
+
+def _streamed_call(args: argparse.Namespace, client: Client, call_args: dict[str, Any],
+                   call_id: str) -> tuple[p.CallResult, tuple[int, int]]:
+    """Run the call on a second connection and print its output as it comes; returns its result and how many
+    characters of stdout and stderr were printed."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with _client(args) as caller:
+                outcome["result"] = caller.call(args.session, args.tool, call_args, call_id=call_id,
+                                                timeout_s=args.call_timeout, turn=args.turn, stream=True)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    out = err = 0
+    while True:
+        done = not worker.is_alive()
+        chunk = client.call_output(args.session, call_id, out, err, timeout_s=0 if done else 1.0)
+        sys.stdout.write(chunk.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(chunk.stderr)
+        out, err = out + len(chunk.stdout), err + len(chunk.stderr)
+        if done and not (chunk.stdout or chunk.stderr):
+            break
+    worker.join()
+    if "error" in outcome:
+        exc = outcome["error"]
+        if isinstance(exc, SandboxdError) and (out or err):
+            exc.details.pop("stdout", None)  # printed already, as it came
+            exc.details.pop("stderr", None)
+        raise exc
+    return outcome["result"], (out, err)
 
 
 def cmd_snapshot(args: argparse.Namespace, client: Client) -> None:
@@ -143,28 +272,121 @@ def cmd_snapshots(args: argparse.Namespace, client: Client) -> None:
 def cmd_calls(args: argparse.Namespace, client: Client) -> None:
     if args.target == "resolve":
         if not args.call or not args.outcome:
-            raise SystemExit("sandboxd calls resolve CALL --outcome done|failed")
-        _print(args, client.resolve(args.call, args.outcome), lambda c: f"{c.call_id} is now {c.state}")
+            raise SystemExit("sandboxd calls resolve CALL --outcome done|failed [--reason TEXT]")
+        _print(args, client.resolve(args.call, args.outcome, reason=args.reason or ""),
+               lambda c: f"{c.call_id} is now {c.state} (by {c.decided_by})")
         return
-    calls = client.calls(args.target)
-    _print(args, calls, lambda cs: _table([["CALL", "TOOL", "EFFECT", "STATE", "TURN"]] + [
-        [c.call_id, c.tool, c.effect, c.state, "" if c.turn is None else str(c.turn)] for c in cs]))
+    if args.call:
+        raise SystemExit(f"sandboxd calls: unexpected {args.call!r} "
+                         "(`calls SESSION`, `calls all`, `calls resolve CALL`)")
+    calls = client.calls(None if args.target == "all" else args.target)
+    _print(args, calls, lambda cs: _calls_table(cs, every_session=args.target == "all"))
+
+
+def _calls_table(calls: list[p.LedgerCall], every_session: bool = False) -> str:
+    now = time.time()
+    rows = [["CALL", *(["SESSION"] if every_session else []), "TOOL", "EFFECT", "STATE", "AGE", "TURN", "TARGET",
+             "PREVIEW", "DIGEST", "YOUR ID", "DECIDED BY"]]
+    for c in calls:
+        decided = f"{c.decided_by}: {c.reason}" if c.decided_by and c.reason else c.decided_by or ""
+        rows.append([c.call_id, *([c.session_id] if every_session else []), c.tool, c.effect, c.state,
+                     _age(now - c.created_at), "" if c.turn is None else str(c.turn), c.target, _short(c.preview),
+                     c.digest[7:19], ",".join(c.agent_call_ids), decided])
+    text = _table(rows)
+    unknown = [c for c in calls if c.advice]
+    return text + "".join(f"\n\n{c.call_id} is unknown: {c.advice}" for c in unknown)
+
+
+def _short(text: str, limit: int = 48) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def cmd_outbox(args: argparse.Namespace, client: Client) -> None:
     if args.target in ("release", "drop"):
         if not args.call:
-            raise SystemExit(f"sandboxd outbox {args.target} CALL")
+            raise SystemExit(f"sandboxd outbox {args.target} CALL [--reason TEXT]")
         if args.target == "release":
-            _print(args, client.release(args.call), lambda r: f"released {r.call_id}: {r.state}")
+            _print(args, client.release(args.call, reason=args.reason or "", force=args.force),
+                   lambda r: f"released {r.call_id}: {r.state}")
         else:
-            client.drop(args.call)
-            _print(args, {"dropped": args.call}, lambda d: f"dropped {d['dropped']}")
+            if args.force:
+                raise SystemExit("sandboxd outbox drop: --force is for release (a drop needs none)")
+            client.drop(args.call, reason=args.reason or "")
+            _print(args, {"dropped": args.call, "reason": args.reason or ""}, lambda d: f"dropped {d['dropped']}")
         return
-    held = client.outbox(None if args.target == "all" else args.target)
-    _print(args, held, lambda hs: _table([["CALL", "SESSION", "TOOL", "POLICY", "TURN", "OPEN REPLAY"]] + [
-        [h.call_id, h.session_id, h.tool, h.policy, "" if h.turn is None else str(h.turn), h.replay or ""]
-        for h in hs]))
+    if args.call:
+        raise SystemExit(f"sandboxd outbox: unexpected {args.call!r} (`outbox SESSION`, `outbox all`, "
+                         "`outbox release CALL`, `outbox drop CALL`)")
+    _print(args, client.approvals(None if args.target == "all" else args.target), _outbox_table)
+
+
+def _outbox_table(box: p.OutboxResponse) -> str:
+    now = time.time()
+    rows = [["CALL", "SESSION", "TOOL", "STATE", "POLICY", "TURN", "AGE", "TARGET", "PREVIEW", "DIGEST", "NOTE"]]
+    for h in box.held:
+        note = f"replay {h.replay} open" if h.replay else ("session closed: release needs --force"
+                                                          if h.session_state != "open" else "")
+        rows.append([h.call_id, h.session_id, h.tool, h.state, h.policy, "" if h.turn is None else str(h.turn),
+                     _age(now - h.held_at), h.target, _short(h.preview), h.digest[7:19], note])
+    for c in box.unknown:
+        rows.append([c.call_id, c.session_id, c.tool, c.state, c.policy or "", "" if c.turn is None else str(c.turn),
+                     _age(now - c.created_at), c.target, _short(c.preview), c.digest[7:19],
+                     "outcome unknown: see below"])
+    text = _table(rows if len(rows) > 1 else [])
+    return text + "".join(f"\n\n{c.call_id} is unknown: {c.advice}" for c in box.unknown)
+
+
+def _remote(spec: str) -> tuple[str, str] | None:
+    """SESSION:PATH as (session, path); None for a local path (write ./a:b for a local name with a colon)."""
+    session, sep, path = spec.partition(":")
+    if not sep or not session or "/" in session or not path:
+        return None
+    return session, path
+
+
+#: bytes per CopyIn/CopyOut request, well under the default frame limit
+COPY_CHUNK = 2 * 1024 * 1024
+
+
+def cmd_cp(args: argparse.Namespace, client: Client) -> None:
+    source, dest = _remote(args.source), _remote(args.dest)
+    if (source is None) == (dest is None):
+        raise SystemExit("sandboxd cp: exactly one of SOURCE and DEST is SESSION:PATH (the other a local path, "
+                         "or - for stdin/stdout)")
+    if dest is not None:
+        session, path = dest
+        try:
+            reader = sys.stdin.buffer if args.source == "-" else open(args.source, "rb")  # noqa: SIM115
+        except OSError as exc:
+            raise SystemExit(f"sandboxd cp: cannot read {args.source}: {exc}") from exc
+        with reader:
+            chunk = reader.read(COPY_CHUNK)
+            size = client.copy_in(session, path, chunk).size  # even an empty file is created
+            while chunk := reader.read(COPY_CHUNK):
+                size = client.copy_in(session, path, chunk, append=True).size
+        _print(args, {"session_id": session, "path": path, "bytes": size},
+               lambda d: f"copied {d['bytes']} bytes to {d['session_id']}:{d['path']}")
+        return
+    assert source is not None
+    session, path = source
+    target = Path(args.dest)
+    if args.dest != "-" and target.is_dir():
+        target = target / Path(path).name
+    got = client.copy_out(session, path, 0, COPY_CHUNK)
+    try:
+        writer = sys.stdout.buffer if args.dest == "-" else open(target, "wb")  # noqa: SIM115
+    except OSError as exc:
+        raise SystemExit(f"sandboxd cp: cannot write {target}: {exc}") from exc
+    with writer:
+        writer.write(got.data)
+        offset = len(got.data)
+        while got.data and offset < got.size:
+            got = client.copy_out(session, path, offset, COPY_CHUNK)
+            writer.write(got.data)
+            offset += len(got.data)
+    if args.dest != "-":
+        _print(args, {"session_id": session, "path": path, "local": str(target), "bytes": offset},
+               lambda d: f"copied {d['bytes']} bytes from {d['session_id']}:{d['path']} to {d['local']}")
 
 
 def cmd_commit(args: argparse.Namespace, client: Client) -> None:
@@ -211,6 +433,9 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--endpoint", help="daemon endpoint (default: ipc socket in the state directory)")
     common.add_argument("--json", action="store_true", help="print JSON")
     common.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the daemon's reply")
+    common.add_argument("--connect-wait", type=float, default=float(os.environ.get("SANDBOXD_CONNECT_WAIT", "5")),
+                        metavar="SECONDS", help="seconds to wait for a daemon to answer at all before it is "
+                        "daemon_unreachable (default: $SANDBOXD_CONNECT_WAIT or 5)")
     common.add_argument("--server-key", type=Path, metavar="FILE",
                         help="tcp:// daemons: the daemon's public key file (NAME.key), pinned")
     common.add_argument("--client-key", type=Path, metavar="FILE",
@@ -269,11 +494,21 @@ def parser() -> argparse.ArgumentParser:
     session.add_argument("id", nargs="?")
     session.add_argument("--image")
     session.add_argument("--all", action="store_true", help="list closed sessions too")
+    session.add_argument("--idle-timeout", type=_positive, metavar="SECONDS",
+                         help="open: close the session after this long without a request")
+    session.add_argument("--ttl", type=_positive, metavar="SECONDS", help="open: close the session this long after "
+                         "it opened, busy or not")
     call = add("call", cmd_call, "run a tool in a session")
     call.add_argument("session")
     call.add_argument("tool")
-    call.add_argument("--args", default="{}", help="arguments as a JSON object")
-    call.add_argument("--call-id")
+    call.add_argument("--args", default="{}", help="arguments as a JSON object; @FILE reads them from a file, "
+                      "- from stdin")
+    call.add_argument("--call-id", help="your id for the call (kept, and shown by `calls`)")
+    call.add_argument("--retry", metavar="CALL_ID", help="retry the call with this id (the one printed when it "
+                      "was made): answered from its record, never run twice")
+    call.add_argument("--turn", type=int, help="the agent turn the call belongs to (on_commit tools need one; "
+                      "`sandboxd commit SESSION TURN` releases them)")
+    call.add_argument("--stream", action="store_true", help="print the output as it comes (shell, python)")
     call.add_argument("--call-timeout", type=float, help="seconds before the tool is killed")
     snap = add("snapshot", cmd_snapshot, "snapshot a session's workspace")
     snap.add_argument("session")
@@ -285,12 +520,20 @@ def parser() -> argparse.ArgumentParser:
     snaps.add_argument("session")
     snaps.add_argument("--delete", metavar="SNAPSHOT")
     calls = add("calls", cmd_calls, "a session's calls (sandbox and external), or resolve an unknown one")
-    calls.add_argument("target", metavar="SESSION|resolve")
+    calls.add_argument("target", metavar="SESSION|all|resolve")
     calls.add_argument("call", nargs="?", metavar="CALL")
     calls.add_argument("--outcome", choices=["done", "failed"], help="with resolve: did the effect happen?")
-    outbox = add("outbox", cmd_outbox, "held external effects: list (SESSION or all), release CALL, drop CALL")
+    calls.add_argument("--reason", help="with resolve: why (recorded with who resolved it)")
+    outbox = add("outbox", cmd_outbox, "effects waiting for an operator (held, or outcome unknown): list (SESSION "
+                 "or all), release CALL, drop CALL")
     outbox.add_argument("target", metavar="SESSION|all|release|drop")
     outbox.add_argument("call", nargs="?", metavar="CALL")
+    outbox.add_argument("--reason", help="release, drop: why (recorded with who decided)")
+    outbox.add_argument("--force", action="store_true", help="release: even though its session is closed")
+    cp = add("cp", cmd_cp, "copy a file into or out of a session, byte for byte: cp LOCAL SESSION:PATH, "
+             "cp SESSION:PATH LOCAL (- is stdin or stdout)")
+    cp.add_argument("source")
+    cp.add_argument("dest")
     commit = add("commit", cmd_commit, "commit a turn: release the effects held for it")
     commit.add_argument("session")
     commit.add_argument("turn", type=int)
@@ -322,17 +565,31 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"error": exc.code.value, "message": exc.message,
                               "details": msgspec.to_builtins(exc.details)}, indent=2, sort_keys=True))
         else:
+            partial = [exc.details.get(k) for k in ("stdout", "stderr")]
+            if any(isinstance(text, str) and text for text in partial):  # a timed-out call's output, so far
+                sys.stdout.write(str(partial[0] or ""))
+                sys.stdout.flush()
+                sys.stderr.write(str(partial[1] or ""))
+                print("\nsandboxd: (the output above is what the call wrote before it was stopped)", file=sys.stderr)
             print(f"sandboxd: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
 
 
 def _client(args: argparse.Namespace) -> Client:
     if (args.server_key is None) != (args.client_key is None):
         raise SystemExit("sandboxd: --server-key and --client-key go together")
     if args.server_key is None:
-        return Client(args.endpoint, timeout_s=args.wait)
+        return Client(args.endpoint, timeout_s=args.wait, connect_timeout_s=args.connect_wait)
     try:
-        return Client.with_key_files(args.endpoint, args.server_key, args.client_key, timeout_s=args.wait)
+        return Client.with_key_files(args.endpoint, args.server_key, args.client_key, timeout_s=args.wait,
+                                     connect_timeout_s=args.connect_wait)
     except KeyFileError as exc:
         raise SystemExit(f"sandboxd: {exc}") from exc
 

@@ -34,7 +34,15 @@ class RemoteError(SandboxdError):
 
 
 class DaemonUnreachable(SandboxdError):
-    code = ErrorCode.SANDBOX_UNAVAILABLE
+    """No reply from the daemon: it is down, the endpoint is wrong, or it refused a CURVE handshake."""
+
+    code = ErrorCode.DAEMON_UNREACHABLE
+
+
+class FrameTooLarge(SandboxdError):
+    """A request the client refuses to send: bigger than the daemon accepts, which would drop it unanswered."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
 
 
 class Client:
@@ -42,9 +50,16 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, timeout_s: float = 120.0, *,
                  server_public_key: str | bytes | None = None, public_key: str | bytes | None = None,
-                 secret_key: str | bytes | None = None) -> None:
+                 secret_key: str | bytes | None = None, connect_timeout_s: float | None = None,
+                 max_frame: int = p.DEFAULT_MAX_FRAME) -> None:
         self.endpoint = endpoint or default_endpoint(default_state_dir())
         self.timeout_ms = int(timeout_s * 1000)
+        self.connect_timeout_s = connect_timeout_s
+        """With a value: a fresh connection first asks Health and gives up after this long, so a daemon that is
+        down is reported at once instead of after the whole reply wait."""
+        self.max_frame = max_frame
+        """Requests bigger than this are refused here: the daemon drops such a frame without a reply."""
+        self._probed = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
         self._curve: tuple[bytes, bytes, bytes] | None = None
@@ -57,11 +72,11 @@ class Client:
 
     @classmethod
     def with_key_files(cls, endpoint: str | None, server_key_file: Path, client_key_file: Path,
-                       timeout_s: float = 120.0) -> Client:
+                       timeout_s: float = 120.0, connect_timeout_s: float | None = None) -> Client:
         """A CURVE client: the daemon's NAME.key pinned, this client's NAME.key_secret presented."""
         public, secret = read_secret_key(client_key_file)
         return cls(endpoint, timeout_s, server_public_key=read_public_key(server_key_file), public_key=public,
-                   secret_key=secret)
+                   secret_key=secret, connect_timeout_s=connect_timeout_s)
 
     def __enter__(self) -> Client:
         return self
@@ -73,6 +88,7 @@ class Client:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+            self._probed = False
 
     def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
@@ -108,9 +124,33 @@ class Client:
                     "(--server-key, --client-key)")
         return ""
 
+    def _probe(self) -> None:
+        """Ask Health with the short connect wait, once per connection, when one is set."""
+        if self.connect_timeout_s is None or self._probed:
+            return
+        health = p.HealthRequest(request_id=self._rid())
+        wait_ms = int(self.connect_timeout_s * 1000)
+        sock = self._socket()
+        sock.send(p.encode(health))
+        if not sock.poll(wait_ms):
+            self.close()
+            raise DaemonUnreachable(f"the daemon at {self.endpoint} did not answer within {wait_ms / 1000:g}s: "
+                                    f"is `sandboxd serve` running there?{self._hint()}", endpoint=self.endpoint)
+        reply = p.decode_response(sock.recv(), max_frame=1 << 31)
+        if isinstance(reply, p.HealthResponse) and reply.max_frame:
+            self.max_frame = reply.max_frame  # the daemon's own limit, whatever it was configured to
+        self._probed = True
+
     def request(self, req: Any, expect: type[R]) -> R:
         """Send a request; return its typed reply or raise RemoteError for an error reply."""
-        reply = self.send_raw(p.encode(req))
+        frame = p.encode(req)
+        if len(frame) > self.max_frame:
+            raise FrameTooLarge(f"{type(req).__name__} of {len(frame)} bytes exceeds the daemon's "
+                                f"{self.max_frame}-byte frame limit; not sent (pass big arguments as a file "
+                                "copied in with `sandboxd cp`)",
+                                size=len(frame), limit=self.max_frame)
+        self._probe()
+        reply = self.send_raw(frame)
         if reply.request_id != req.request_id:
             self.close()
             raise DaemonUnreachable(f"reply for {reply.request_id!r} while waiting for {req.request_id!r}")
@@ -129,8 +169,10 @@ class Client:
     def health(self) -> p.HealthResponse:
         return self.request(p.HealthRequest(request_id=self._rid()), p.HealthResponse)
 
-    def open_session(self, image: str | None = None, forget: list[str] | None = None) -> p.SessionInfo:
-        req = p.OpenSessionRequest(request_id=self._rid(), image=image, forget=forget or [])
+    def open_session(self, image: str | None = None, forget: list[str] | None = None,
+                     idle_timeout_s: float | None = None, ttl_s: float | None = None) -> p.SessionInfo:
+        req = p.OpenSessionRequest(request_id=self._rid(), image=image, forget=forget or [],
+                                   idle_timeout_s=idle_timeout_s, ttl_s=ttl_s)
         return self.request(req, p.OpenSessionResponse).session
 
     def close_session(self, session_id: str) -> None:
@@ -146,11 +188,29 @@ class Client:
 
     def call(self, session_id: str, tool: str, args: dict[str, Any], call_id: str | None = None,
              timeout_s: float | None = None, clock: float | None = None, mode: str = "live",
-             turn: int | None = None, branch: str = "") -> p.CallResult:
+             turn: int | None = None, branch: str = "", stream: bool = False) -> p.CallResult:
         req = p.CallRequest(request_id=self._rid(), session_id=session_id, tool=tool, args=args,
                             call_id=call_id, timeout_s=timeout_s, clock=clock, mode=mode,  # type: ignore[arg-type]
-                            turn=turn, branch=branch)
+                            turn=turn, branch=branch, stream=stream)
         return self.request(req, p.CallResponse).result
+
+    def call_output(self, session_id: str, call_id: str, stdout_offset: int = 0, stderr_offset: int = 0,
+                    timeout_s: float = 5.0) -> p.CallOutputResponse:
+        """What a streamed call has written after these offsets; waits up to `timeout_s` for something new."""
+        req = p.CallOutputRequest(request_id=self._rid(), session_id=session_id, call_id=call_id,
+                                  stdout_offset=stdout_offset, stderr_offset=stderr_offset, timeout_s=timeout_s)
+        return self.request(req, p.CallOutputResponse)
+
+    def copy_in(self, session_id: str, path: str, data: bytes, append: bool = False) -> p.CopyInResponse:
+        """Write bytes into a workspace file (append: add to it)."""
+        req = p.CopyInRequest(request_id=self._rid(), session_id=session_id, path=path, data=data, append=append)
+        return self.request(req, p.CopyInResponse)
+
+    def copy_out(self, session_id: str, path: str, offset: int = 0, length: int = 4 << 20) -> p.CopyOutResponse:
+        """Up to `length` bytes of a workspace file from `offset`, and the file's size."""
+        req = p.CopyOutRequest(request_id=self._rid(), session_id=session_id, path=path, offset=offset,
+                               length=length)
+        return self.request(req, p.CopyOutResponse)
 
     def commit_turn(self, session_id: str, turn: int) -> list[p.CallResult]:
         """Release the effects held for a committed turn."""
@@ -213,16 +273,21 @@ class Client:
         req = p.RevocationStatusRequest(request_id=self._rid(), revocation_id=revocation_id)
         return self.request(req, p.RevocationStatusResponse)
 
-    def calls(self, session_id: str) -> list[p.LedgerCall]:
+    def calls(self, session_id: str | None) -> list[p.LedgerCall]:
+        """A session's calls, sandbox and external, oldest first; None: every session's (operators)."""
         req = p.ListCallsRequest(request_id=self._rid(), session_id=session_id)
         return self.request(req, p.ListCallsResponse).calls
 
     def outbox(self, session_id: str | None = None) -> list[p.HeldCall]:
-        req = p.OutboxRequest(request_id=self._rid(), session_id=session_id)
-        return self.request(req, p.OutboxResponse).held
+        return self.approvals(session_id).held
 
-    def release(self, call_id: str) -> p.CallResult:
-        req = p.ReleaseCallRequest(request_id=self._rid(), call_id=call_id)
+    def approvals(self, session_id: str | None = None) -> p.OutboxResponse:
+        """What waits for an operator: held effects, and effects whose outcome is unknown."""
+        return self.request(p.OutboxRequest(request_id=self._rid(), session_id=session_id), p.OutboxResponse)
+
+    def release(self, call_id: str, reason: str = "", force: bool = False) -> p.CallResult:
+        """Fire a held effect now; `force` for one a closed session held."""
+        req = p.ReleaseCallRequest(request_id=self._rid(), call_id=call_id, reason=reason, force=force)
         return self.request(req, p.ReleaseCallResponse).result
 
     def world_reset(self, session_id: str, injections: dict[str, str] | None = None,
@@ -237,12 +302,13 @@ class Client:
         return self.request(p.WorldStateRequest(request_id=self._rid(), session_id=session_id),
                             p.WorldResponse).environment
 
-    def drop(self, call_id: str) -> None:
-        self.request(p.DropCallRequest(request_id=self._rid(), call_id=call_id), p.DropCallResponse)
+    def drop(self, call_id: str, reason: str = "") -> None:
+        self.request(p.DropCallRequest(request_id=self._rid(), call_id=call_id, reason=reason), p.DropCallResponse)
 
-    def resolve(self, call_id: str, outcome: str, result: dict[str, Any] | None = None) -> p.LedgerCall:
+    def resolve(self, call_id: str, outcome: str, result: dict[str, Any] | None = None,
+                reason: str = "") -> p.LedgerCall:
         req = p.ResolveCallRequest(request_id=self._rid(), call_id=call_id, outcome=outcome,  # type: ignore[arg-type]
-                                   result=result)
+                                   result=result, reason=reason)
         return self.request(req, p.ResolveCallResponse).call
 
     def snapshot(self, session_id: str, label: str | None = None) -> p.SnapshotInfo:

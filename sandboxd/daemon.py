@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -72,11 +73,28 @@ def run(config: DaemonConfig, verbose: bool = False) -> None:
         host, port = parse_metrics_address(config.metrics_address, config.metrics_allow_remote)
         metrics = MetricsServer(host, port, service.metrics.registry)
         metrics.start()
+    stopped = threading.Event()
+    threading.Thread(target=_expire_sessions, args=(service, stopped), name="sandboxd-expiry", daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     try:
         server.serve_forever()
     finally:
+        stopped.set()
         if metrics is not None:
             metrics.stop()  # before the state closes: a scrape reads it
         service.db.close()
+
+
+#: how often sessions are checked against their idle timeout and time to live
+EXPIRY_CHECK_S = 1.0
+
+
+def _expire_sessions(service: Service, stopped: threading.Event) -> None:
+    """Close sessions whose idle timeout or time to live ran out, until the daemon stops."""
+    log = logging.getLogger("sandboxd")
+    while not stopped.wait(EXPIRY_CHECK_S):
+        try:
+            service.expire()
+        except Exception:  # the next round tries again; the daemon goes on serving
+            log.exception("expiring sessions failed")

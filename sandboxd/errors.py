@@ -40,6 +40,8 @@ class ErrorCode(enum.StrEnum):
     TOOL_ERROR = "tool_error"
     UNAUTHORIZED = "unauthorized"
     FLOW_BLOCKED = "flow_blocked"
+    DAEMON_UNREACHABLE = "daemon_unreachable"
+    """Client side: the daemon did not answer (down, wrong endpoint, or a refused CURVE handshake)."""
     INTERNAL = "internal"
 
 
@@ -216,11 +218,16 @@ class EffectFailed(SandboxdError):
 
 
 class AdapterTimeout(SandboxdError):
+    """An adapter's timeout; `sent` says whether the request had left (bytes may have reached the far side)."""
+
     code = ErrorCode.ADAPTER_TIMEOUT
 
-    def __init__(self, call_id: str, seconds: float, state: str = "unknown") -> None:
+    def __init__(self, call_id: str, seconds: float, state: str = "unknown", sent: bool | None = None) -> None:
+        sent = state == "unknown" if sent is None else sent
         if state == "unknown":
             tail = "after the request was sent, so its outcome is unknown until an operator resolves it"
+        elif sent:
+            tail = "after the request was sent, with no answer; it changes nothing there, so a retry is safe"
         else:
             tail = "before anything was sent, so a retry may fire it"
         super().__init__(
@@ -228,6 +235,20 @@ class AdapterTimeout(SandboxdError):
             call_id=call_id,
             seconds=seconds,
             state=state,
+            sent=sent,
+        )
+
+
+class HeldByClosedSession(SandboxdError):
+    """Releasing a held effect of a closed session: it would act for an agent that no longer runs."""
+
+    code = ErrorCode.SESSION_CLOSED
+
+    def __init__(self, call_id: str, session_id: str) -> None:
+        super().__init__(
+            f"call {call_id} is held for session {session_id!r}, which is closed: releasing it fires an effect "
+            "for an agent that no longer runs; drop it, or release it with --force (force=true) if it must go",
+            call_id=call_id, session_id=session_id,
         )
 
 

@@ -122,4 +122,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "where a live session's provenance ended when a branch of it opened", (
         "CREATE TABLE IF NOT EXISTS prov_branches (branch TEXT PRIMARY KEY, session_id TEXT, artifact_end INTEGER, "
         "checkpoint_end INTEGER)",)),
+    Migration(5, "who decided a held or unknown call and why; sessions' idle timeout and time to live", (
+        "ALTER TABLE ledger_events ADD COLUMN actor TEXT",
+        "ALTER TABLE ledger_events ADD COLUMN reason TEXT",
+        "ALTER TABLE sessions ADD COLUMN idle_timeout_s FLOAT",
+        "ALTER TABLE sessions ADD COLUMN ttl_s FLOAT")),
 )

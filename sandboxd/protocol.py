@@ -67,6 +67,15 @@ class SessionInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state: Literal["open", "closed"]
     created_at: float
     container: str | None = None
+    idle_timeout_s: float | None = None
+    """Closed by the daemon after this long without a request (None: never)."""
+    ttl_s: float | None = None
+    """Closed by the daemon this long after it opened (None: never)."""
+    last_used_at: float | None = None
+    """When a request last named it (since this daemon run started; its opening before that)."""
+    closed_at: float | None = None
+    usage: dict[str, Any] = {}
+    """What its sandbox uses now: memory_bytes, cpu_s, pids (where the engine tells)."""
 
 
 class SnapshotInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -92,6 +101,9 @@ class CallResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stderr: str
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    stdout_size: Count | None = None
+    """With stdout_truncated: the full size in bytes of what the tool wrote (or of the file read)."""
+    stderr_size: Count | None = None
     duration_ms: float = 0.0
     replayed: bool = False
     state: str = "done"
@@ -121,6 +133,20 @@ class LedgerCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     policy: str | None = None
     created_at: float = 0.0
     updated_at: float = 0.0
+    agent_call_ids: list[str] = []
+    """The call ids the caller gave (`--call-id`, an agent's ids) that name this call."""
+    target: str = ""
+    """Where an external effect goes: recipients, or method and URL."""
+    preview: str = ""
+    """The start of its payload (a mail's subject and body, a request's body), on one line."""
+    digest: str = ""
+    """sha256 of its canonical arguments: what an operator approves is exactly this payload."""
+    decided_by: str | None = None
+    """Who released, dropped or resolved it: a peer's key, `local` for the ipc socket's owner."""
+    reason: str | None = None
+    """The reason given with that decision."""
+    advice: str | None = None
+    """For an `unknown` call: what an operator should do about it."""
 
 
 class HeldCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -135,6 +161,13 @@ class HeldCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     args: dict[str, Any]
     replay: str | None = None
     """The open replay branch that holds it: neither released nor dropped until that replay is finished."""
+    state: str = "staged"
+    target: str = ""
+    preview: str = ""
+    digest: str = ""
+    agent_call_ids: list[str] = []
+    session_state: str = "open"
+    """The holding session's state: a closed session's held calls are released only with force."""
 
 
 ArtifactType = Literal[
@@ -245,6 +278,10 @@ class OpenSessionRequest(_Request):
     image: str | None = None
     forget: list[str] = []
     """Values this session must never observe: kept only as salted fingerprints, excised from results."""
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=10**8)] | None = None
+    """Close the session after this long without a request naming it."""
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=10**8)] | None = None
+    """Close the session this long after it opened, busy or not."""
 
 
 class CloseSessionRequest(_Request):
@@ -274,6 +311,8 @@ class CallRequest(_Request):
     """The replay branch a call belongs to (empty: the live session)."""
     turn: Count | None = None
     """The agent's turn, which an on_commit effect waits for."""
+    stream: bool = False
+    """Keep the output as it comes, for `CallOutputRequest`s naming `call_id` while the call runs."""
 
 
 class CommitTurnRequest(_Request):
@@ -287,7 +326,8 @@ class DropTurnRequest(_Request):
 
 
 class ListCallsRequest(_Request):
-    session_id: str
+    session_id: str | None = None
+    """None: every session's calls (operators only)."""
 
 
 class OutboxRequest(_Request):
@@ -296,10 +336,14 @@ class OutboxRequest(_Request):
 
 class ReleaseCallRequest(_Request):
     call_id: str
+    reason: str = ""
+    force: bool = False
+    """Release even though the holding session is closed."""
 
 
 class DropCallRequest(_Request):
     call_id: str
+    reason: str = ""
 
 
 class WorldResetRequest(_Request):
@@ -396,6 +440,36 @@ class ResolveCallRequest(_Request):
     call_id: str
     outcome: Literal["done", "failed"]
     result: dict[str, Any] | None = None
+    reason: str = ""
+
+
+class CopyInRequest(_Request):
+    """Write bytes into a file of the session's workspace (a chunk of `sandboxd cp`): binary-safe."""
+
+    session_id: str
+    path: str
+    data: bytes
+    append: bool = False
+    """Add to the file instead of replacing it (the chunks after the first)."""
+
+
+class CopyOutRequest(_Request):
+    """Read up to `length` bytes of a workspace file from `offset` (a chunk of `sandboxd cp`)."""
+
+    session_id: str
+    path: str
+    offset: Count = 0
+    length: Annotated[int, msgspec.Meta(ge=1, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
+
+
+class CallOutputRequest(_Request):
+    """Long-poll: the output a running call has written after these offsets (`sandboxd call --stream`)."""
+
+    session_id: str
+    call_id: str
+    stdout_offset: Count = 0
+    stderr_offset: Count = 0
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 5.0
 
 
 class SnapshotRequest(_Request):
@@ -425,6 +499,8 @@ class HealthResponse(_Response):
     protocol: int
     open_sessions: int
     uptime_s: float
+    max_frame: Count = 0
+    """The largest request frame the daemon accepts (0: not said, an older daemon)."""
 
 
 class OpenSessionResponse(_Response):
@@ -479,6 +555,8 @@ class ListCallsResponse(_Response):
 
 class OutboxResponse(_Response):
     held: list[HeldCall]
+    unknown: list[LedgerCall] = []
+    """Effects whose outcome is unknown: they wait for an operator too (see each one's `advice`)."""
 
 
 class ReleaseCallResponse(_Response):
@@ -491,6 +569,29 @@ class DropCallResponse(_Response):
 
 class ResolveCallResponse(_Response):
     call: LedgerCall
+
+
+class CopyInResponse(_Response):
+    path: str
+    size: Count
+    """The file's size after the write."""
+
+
+class CopyOutResponse(_Response):
+    path: str
+    data: bytes
+    offset: Count
+    size: Count
+    """The whole file's size: the copy is done when offset + len(data) reaches it."""
+    mode: int = 0o644
+
+
+class CallOutputResponse(_Response):
+    call_id: str
+    stdout: str
+    stderr: str
+    running: bool
+    """False once the call has finished (its result is the call's reply) or was never seen streaming."""
 
 
 class RecordArtifactsResponse(_Response):
@@ -605,6 +706,9 @@ Request = (
     | WaitEventsRequest
     | WorldResetRequest
     | WorldStateRequest
+    | CopyInRequest
+    | CopyOutRequest
+    | CallOutputRequest
 )
 
 Response = (
@@ -636,6 +740,9 @@ Response = (
     | RevocationStatusResponse
     | EventsResponse
     | WorldResponse
+    | CopyInResponse
+    | CopyOutResponse
+    | CallOutputResponse
     | ErrorResponse
 )
 

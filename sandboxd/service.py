@@ -22,6 +22,7 @@ from sandboxd.auth import Peer
 from sandboxd.branch import Branches
 from sandboxd.calls import Calls
 from sandboxd.config import DaemonConfig
+from sandboxd.copying import Copying
 from sandboxd.db import Database
 from sandboxd.errors import NotFound, SandboxdError, Unauthorized, UnknownSession, UnknownTool
 from sandboxd.events import Events
@@ -37,6 +38,7 @@ from sandboxd.revocation.leaks import LeakScanner
 from sandboxd.revocation.operator import RevocationOperator
 from sandboxd.revocation.records import Revocations
 from sandboxd.sandbox.base import Sandbox
+from sandboxd.sandbox.usage import container_usage
 from sandboxd.session import Sessions
 from sandboxd.tools.builtin import BUILTIN_TOOLS
 from sandboxd.tools.registry import ToolRegistry
@@ -91,6 +93,7 @@ class Service:
             served_in_daemon=self.effects.serves, fired_twice=self.firewall.ledger.fired_twice,
             outside_world=self.world.suite_name if self.world else None,
             committed=lambda by: self.metrics.revocation("committed", by), log_path=config.state_path / "sandboxd.log")
+        self.copying = Copying(self.sessions)
         world = self.world
         self.provenance_handlers = ProvenanceHandlers(
             self.provenance, self.sessions, self.revocations.on_observation,
@@ -109,11 +112,14 @@ class Service:
             **self.operator.handlers(),
             p.WorldResetRequest: self.world_reset,
             p.WorldStateRequest: self.world_state,
+            **self.copying.handlers(),
+            p.CallOutputRequest: self.calls.output,
         }
         #: requests whose answer depends on who asks: the owner of a new session, whose sessions to list
         self.peer_handlers: dict[type[Any], Callable[[Any, Peer], p.Response]] = {
             p.OpenSessionRequest: self.open_session,
             p.ListSessionsRequest: self.list_sessions,
+            **self.effects.peer_handlers(),
         }
 
     # The error boundary and the ownership check --------------------------------------------------
@@ -128,9 +134,17 @@ class Service:
     def _serve(self, request: p.Request, peer: Peer) -> p.Response:
         try:
             self.authorize(request, peer)
-            if (for_peer := self.peer_handlers.get(type(request))) is not None:
-                return for_peer(request, peer)
-            return self.handlers[type(request)](request)
+            # Activity is what the session's user does; an operator's listing (inline requests) is not.
+            session_id = None if isinstance(request, self.INLINE) else getattr(request, "session_id", None)
+            if isinstance(session_id, str):
+                self.sessions.touch(session_id)
+            try:
+                if (for_peer := self.peer_handlers.get(type(request))) is not None:
+                    return for_peer(request, peer)
+                return self.handlers[type(request)](request)
+            finally:
+                if isinstance(session_id, str):
+                    self.sessions.touch(session_id)  # a long call leaves it idle from its end, not its start
         except SandboxdError as exc:
             log.info("request %s failed: %s", request.request_id, exc, extra=log_ids(request, peer, exc))
             return p.error_response(request.request_id, exc)
@@ -145,7 +159,7 @@ class Service:
         """The one ownership check: a request naming a session, or a revocation of one, is its owner's."""
         if peer.operator:
             return
-        if isinstance(request, self.OPERATOR_ONLY) or (isinstance(request, p.OutboxRequest)
+        if isinstance(request, self.OPERATOR_ONLY) or (isinstance(request, p.OutboxRequest | p.ListCallsRequest)
                                                        and request.session_id is None):
             raise Unauthorized(None, type(request).__name__)
         session_id = getattr(request, "session_id", None)
@@ -189,10 +203,11 @@ class Service:
 
     def health(self, req: p.HealthRequest) -> p.HealthResponse:
         return p.HealthResponse(request_id=req.request_id, version=__version__, protocol=p.PROTOCOL_VERSION,
-                                open_sessions=self.sessions.count_open(), uptime_s=time.monotonic() - self.started)
+                                open_sessions=self.sessions.count_open(), uptime_s=time.monotonic() - self.started,
+                                max_frame=self.config.max_frame_bytes)
 
     def open_session(self, req: p.OpenSessionRequest, peer: Peer) -> p.OpenSessionResponse:
-        row = self.sessions.open(req.image, owner=peer.key)
+        row = self.sessions.open(req.image, owner=peer.key, idle_timeout_s=req.idle_timeout_s, ttl_s=req.ttl_s)
         for value in req.forget:
             self.forgotten.forget(row.session_id, value)
         log.info("session %s opened on %s", row.session_id, row.image,
@@ -226,7 +241,27 @@ class Service:
     def list_sessions(self, req: p.ListSessionsRequest, peer: Peer) -> p.ListSessionsResponse:
         states = ("open", "closed", "failed") if req.include_closed else ("open",)
         rows = self.sessions.in_states(states, owner=None if peer.operator else peer.key)
-        return p.ListSessionsResponse(request_id=req.request_id, sessions=[r.info() for r in rows])
+        infos = []
+        for row in rows:
+            info = row.info()
+            if row.state == "open":
+                info.last_used_at = self.sessions.last_used(row)
+                info.usage = container_usage(row.container_id)
+            infos.append(info)
+        return p.ListSessionsResponse(request_id=req.request_id, sessions=infos)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Close the sessions past their time to live or idle timeout; returns their ids."""
+        closed = []
+        for session_id, why in self.sessions.expired(time.time() if now is None else now):
+            try:
+                self.close_session(p.CloseSessionRequest(request_id=f"expire-{session_id}", session_id=session_id))
+            except SandboxdError as exc:  # closed meanwhile by its user, or a sandbox that will not go
+                log.info("could not expire session %s: %s", session_id, exc)
+                continue
+            log.info("session %s closed: %s", session_id, why, extra={"session_id": session_id})
+            closed.append(session_id)
+        return closed
 
     def list_tools(self, req: p.ListToolsRequest) -> p.ListToolsResponse:
         if req.session_id is not None:

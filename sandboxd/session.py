@@ -56,11 +56,16 @@ class SessionRow(msgspec.Struct, kw_only=True):
     container_id: str | None = None
     env_snapshot: str | None = None
     """A snapshot equal to the sandbox now, or None once a write-class call may have changed it."""
+    idle_timeout_s: float | None = None
+    """Closed by the daemon after this long without a request naming it."""
+    ttl_s: float | None = None
+    """Closed by the daemon this long after it opened."""
 
     def info(self) -> p.SessionInfo:
         return p.SessionInfo(session_id=self.session_id, image=self.image,
                              state="open" if self.state == "open" else "closed", created_at=self.created_at,
-                             container=self.container_id)
+                             container=self.container_id, idle_timeout_s=self.idle_timeout_s, ttl_s=self.ttl_s,
+                             closed_at=self.closed_at)
 
 
 class SnapshotRow(msgspec.Struct, kw_only=True):
@@ -95,6 +100,10 @@ class Sessions:
         """The snapshots a session's live checkpoints refer to (provenance tells; set by the composition)."""
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._started_at = time.time()
+        self._last_used: dict[str, float] = {}
+        """When a request last named each session, in this daemon run (kept in memory: a write per read
+        request would cost more than an idle clock that restarts with the daemon is worth)."""
 
     # Rows --------------------------------------------------------------------------------------
 
@@ -135,10 +144,34 @@ class Sessions:
     def _forget_lock(self, session_id: str) -> None:
         with self._guard:
             self._locks.pop(session_id, None)
+            self._last_used.pop(session_id, None)
+
+    # Idle time and time to live ------------------------------------------------------------------
+
+    def touch(self, session_id: str) -> None:
+        """A request named the session: its idle clock starts again."""
+        with self._guard:
+            self._last_used[session_id] = time.time()
+
+    def last_used(self, row: SessionRow) -> float:
+        """When a request last named it; its opening, or this daemon's start, before any did."""
+        with self._guard:
+            return self._last_used.get(row.session_id) or max(row.created_at, self._started_at)
+
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        """Open sessions past their time to live or idle timeout, with which one."""
+        found = []
+        for row in self.in_states(("open",)):
+            if row.ttl_s is not None and now - row.created_at >= row.ttl_s:
+                found.append((row.session_id, f"its time to live of {row.ttl_s:g}s ran out"))
+            elif row.idle_timeout_s is not None and now - self.last_used(row) >= row.idle_timeout_s:
+                found.append((row.session_id, f"it was idle for {row.idle_timeout_s:g}s"))
+        return found
 
     # Lifecycle ---------------------------------------------------------------------------------
 
-    def open(self, image: str | None, owner: str) -> SessionRow:
+    def open(self, image: str | None, owner: str, idle_timeout_s: float | None = None,
+             ttl_s: float | None = None) -> SessionRow:
         """A new session with a running sandbox on an empty workspace."""
         session_id = "s-" + uuid.uuid4().hex[:12]
         image = image or self.default_image
@@ -148,7 +181,8 @@ class Sessions:
             raise NotFound(f"image {image!r} not found on the Docker engine", image=image)
         with self.db.transaction():
             self.db.insert("sessions", SessionRow(session_id=session_id, image=image, state="opening",
-                                                  created_at=time.time(), owner=owner))
+                                                  created_at=time.time(), owner=owner,
+                                                  idle_timeout_s=idle_timeout_s, ttl_s=ttl_s))
         with self.lock(session_id):
             try:
                 root = self.store.create(session_id, self.sandbox.owner())
@@ -174,10 +208,11 @@ class Sessions:
 
     # The sandbox -------------------------------------------------------------------------------
 
-    def executor(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def executor(self, session_id: str, payload: dict[str, Any], timeout: float,
+                 on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
         """One executor request; a dead sandbox is restarted and the failure reported."""
         try:
-            return self.sandbox.request(session_id, payload, timeout)
+            return self.sandbox.request(session_id, payload, timeout, on_output)
         except SandboxUnavailable as exc:
             oom_killed = self.sandbox.oom_killed(session_id)
             restarted = self.sandbox.ensure_running(session_id)

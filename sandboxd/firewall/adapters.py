@@ -58,6 +58,10 @@ class EffectAdapter(abc.ABC):
         """The intent fields of a call, before canonicalisation."""
         return {name: args.get(name) for name in self.manifest.intent_fields}
 
+    def target(self, args: dict[str, Any]) -> str:
+        """Where the effect goes, for an operator judging it: recipients, or method and URL ("" if unknown)."""
+        return ""
+
     def check_session(self, session_id: str) -> None:
         """Refuse, before anything is recorded, a call this session cannot make (raise a SandboxdError)."""
         return None
@@ -145,6 +149,9 @@ class SmtpAdapter(EffectAdapter):
                 )
         if "\r" in args["subject"] or "\n" in args["subject"]:
             raise InvalidArguments(self.manifest.name, "the subject must be one line", "$.subject")
+
+    def target(self, args: dict[str, Any]) -> str:
+        return ", ".join(str(a) for a in args.get("to") or [])
 
     def intent(self, args: dict[str, Any]) -> dict[str, Any]:
         """Recipients as a set (order and repeats do not change who gets the mail), domains lowercased."""
@@ -335,6 +342,9 @@ class HttpRequestAdapter(_AllowlistedHttp):
 
     manifest = HTTP_REQUEST
 
+    def target(self, args: dict[str, Any]) -> str:
+        return f"{args.get('method', '')} {args.get('url', '')}"
+
     def intent(self, args: dict[str, Any]) -> dict[str, Any]:
         """Method, URL in httpx's normalised spelling (host case, default port), body."""
         url = str(httpx.URL(args["url"]))
@@ -371,6 +381,9 @@ class WebhookAdapter(EffectAdapter):
         self._url = httpx.URL(config.url)
         self._sender = sender
         self.timeout_s = sender.timeout_s
+
+    def target(self, args: dict[str, Any]) -> str:
+        return f"POST {self._url}"
 
     def fire(self, args: dict[str, Any], call_id: str) -> dict[str, Any]:
         """POST the body as the agent wrote it (the canonical form is only for the intent key)."""

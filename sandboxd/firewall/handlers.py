@@ -9,26 +9,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
 from sandboxd import protocol as p
+from sandboxd.auth import Peer
 from sandboxd.branch import Branch
-from sandboxd.errors import BranchStateError
-from sandboxd.firewall.ledger import CallRecord
+from sandboxd.errors import BranchStateError, HeldByClosedSession, InvalidState
+from sandboxd.firewall.approvals import Describer
+from sandboxd.firewall.ledger import CallRecord, CallState
 from sandboxd.firewall.service import Firewall, FirewallResult
 
 
 class FirewallHandlers:
     """Handlers for the firewall's requests, dispatched by the service."""
 
-    def __init__(self, firewall: Firewall, check_open: Callable[[str], object], known: Callable[[str], object],
-                 sandbox_calls: Callable[[str], list[p.LedgerCall]]) -> None:
+    def __init__(self, firewall: Firewall, check_open: Callable[[str], object], known: Callable[[str], Any],
+                 sandbox_calls: Callable[[str | None], list[p.LedgerCall]]) -> None:
         self.firewall = firewall
         self.check_open = check_open
         self.known = known
+        """A session's row (its `state` is read), or UnknownSession."""
         self.sandbox_calls = sandbox_calls
+        """A session's sandbox calls; None: every session's."""
+        ledger = firewall.ledger
+        self.describe = Describer(firewall.target, ledger.decisions, ledger.agent_ids)
 
     def handlers(self) -> dict[type[Any], Callable[[Any], p.Response]]:
         """Request type -> handler, for the service's dispatch table."""
@@ -37,6 +43,11 @@ class FirewallHandlers:
             p.DropTurnRequest: self.drop_turn,
             p.ListCallsRequest: self.list_calls,
             p.OutboxRequest: self.outbox,
+        }
+
+    def peer_handlers(self) -> dict[type[Any], Callable[[Any, Peer], p.Response]]:
+        """The operator's decisions, recorded with who made them."""
+        return {
             p.ReleaseCallRequest: self.release,
             p.DropCallRequest: self.drop,
             p.ResolveCallRequest: self.resolve,
@@ -61,30 +72,47 @@ class FirewallHandlers:
         return p.DropTurnResponse(request_id=req.request_id, dropped=self.firewall.drop_turn(req.session_id, req.turn))
 
     def list_calls(self, req: p.ListCallsRequest) -> p.ListCallsResponse:
-        self.known(req.session_id)
-        calls = self.sandbox_calls(req.session_id)
-        calls += [ledger_call(record) for record in self.firewall.calls(req.session_id)]
+        if req.session_id is not None:
+            self.known(req.session_id)
+            records = self.firewall.calls(req.session_id)
+        else:
+            records = self.firewall.ledger.in_states(get_args(CallState))
+        calls = self.sandbox_calls(req.session_id) + [ledger_call(record) for record in records]
         calls.sort(key=lambda c: (c.created_at, c.call_id))
-        return p.ListCallsResponse(request_id=req.request_id, calls=calls)
+        return p.ListCallsResponse(request_id=req.request_id, calls=self.describe.calls(calls))
 
     def outbox(self, req: p.OutboxRequest) -> p.OutboxResponse:
-        held = [
-            p.HeldCall(call_id=h.call_id, session_id=h.session_id, tool=h.tool, policy=h.policy, turn=h.turn,
-                       held_at=h.held_at, args=h.args, replay=h.branch if self.firewall.in_open_replay(h) else None)
-            for h in self.firewall.outbox(req.session_id)
-        ]
-        return p.OutboxResponse(request_id=req.request_id, held=held)
+        if req.session_id is not None:
+            self.known(req.session_id)  # a mistyped session is an error, not an empty outbox
+        states: dict[str, str] = {}
+        held = []
+        for h in self.firewall.outbox(req.session_id):
+            state = states.setdefault(h.session_id, self.known(h.session_id).state)
+            held.append(p.HeldCall(call_id=h.call_id, session_id=h.session_id, tool=h.tool, policy=h.policy,
+                                   turn=h.turn, held_at=h.held_at, args=h.args,
+                                   replay=h.branch if self.firewall.in_open_replay(h) else None,
+                                   session_state="open" if state == "open" else "closed"))
+        unknown = [ledger_call(r) for r in self.firewall.ledger.in_states(("unknown",))
+                   if req.session_id is None or r.session_id == req.session_id]
+        return p.OutboxResponse(request_id=req.request_id, held=self.describe.held(held),
+                                unknown=self.describe.calls(unknown))
 
-    def release(self, req: p.ReleaseCallRequest) -> p.ReleaseCallResponse:
-        return p.ReleaseCallResponse(request_id=req.request_id, result=call_result(self.firewall.release(req.call_id)))
+    def release(self, req: p.ReleaseCallRequest, peer: Peer) -> p.ReleaseCallResponse:
+        record = self.firewall.ledger.get(req.call_id)
+        if record is None:
+            raise InvalidState(req.call_id, "absent", "staged", "no such call in the ledger")
+        if not req.force and record.state == "staged" and self.known(record.session_id).state != "open":
+            raise HeldByClosedSession(req.call_id, record.session_id)
+        result = self.firewall.release(req.call_id, actor=peer.key, reason=req.reason)
+        return p.ReleaseCallResponse(request_id=req.request_id, result=call_result(result))
 
-    def drop(self, req: p.DropCallRequest) -> p.DropCallResponse:
-        self.firewall.drop(req.call_id)
+    def drop(self, req: p.DropCallRequest, peer: Peer) -> p.DropCallResponse:
+        self.firewall.drop(req.call_id, actor=peer.key, reason=req.reason)
         return p.DropCallResponse(request_id=req.request_id, call_id=req.call_id)
 
-    def resolve(self, req: p.ResolveCallRequest) -> p.ResolveCallResponse:
-        record = self.firewall.resolve(req.call_id, req.outcome, req.result)
-        return p.ResolveCallResponse(request_id=req.request_id, call=ledger_call(record))
+    def resolve(self, req: p.ResolveCallRequest, peer: Peer) -> p.ResolveCallResponse:
+        record = self.firewall.resolve(req.call_id, req.outcome, req.result, actor=peer.key, reason=req.reason)
+        return p.ResolveCallResponse(request_id=req.request_id, call=self.describe.calls([ledger_call(record)])[0])
 
 
 class FirewallParticipant:

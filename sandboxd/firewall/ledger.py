@@ -157,6 +157,8 @@ class Ledger:
         error: str | None = None,
         count_attempt: bool = False,
         policy: str | None = None,
+        actor: str | None = None,
+        reason: str | None = None,
     ) -> str:
         """Move a call from one of `expect` to `to` (inside `transaction()`); returns the old state."""
         allowed = tuple(expect)
@@ -178,7 +180,7 @@ class Ledger:
                 call_id,
             ],
         )
-        self._event(call_id, row[0], to, note or (error or ""))
+        self._event(call_id, row[0], to, note or (error or ""), actor, reason)
         return str(row[0])
 
     def set_simulated(self, call_id: str, answer: dict[str, Any] | None) -> None:
@@ -189,11 +191,34 @@ class Ledger:
         if answer is not None:
             self._event(call_id, "staged", "staged", "answered by the replay's simulated far side")
 
-    def _event(self, call_id: str, from_state: str | None, to_state: str, note: str) -> None:
+    def _event(self, call_id: str, from_state: str | None, to_state: str, note: str, actor: str | None = None,
+               reason: str | None = None) -> None:
         self._db.execute(
-            "INSERT INTO ledger_events (call_id, at, from_state, to_state, note) VALUES (?, ?, ?, ?, ?)",
-            [call_id, self._clock(), from_state, to_state, note],
+            "INSERT INTO ledger_events (call_id, at, from_state, to_state, note, actor, reason) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [call_id, self._clock(), from_state, to_state, note, actor, reason],
         )
+
+    def decisions(self, call_ids: list[str]) -> dict[str, tuple[str, str]]:
+        """call id -> (who, why) of the latest decision a person made about it (release, drop, resolve)."""
+        found: dict[str, tuple[str, str]] = {}
+        for chunk in _chunks(call_ids):
+            rows = self._rows(
+                f"SELECT call_id, actor, reason FROM ledger_events WHERE actor IS NOT NULL AND call_id IN "
+                f"({','.join('?' * len(chunk))}) ORDER BY id", chunk)
+            found.update({r["call_id"]: (r["actor"], r["reason"] or "") for r in rows})
+        return found
+
+    def agent_ids(self, call_ids: list[str]) -> dict[str, list[str]]:
+        """call id -> the caller's own ids that name it (in any branch), oldest first."""
+        found: dict[str, list[str]] = {}
+        for chunk in _chunks(call_ids):
+            rows = self._rows(
+                f"SELECT DISTINCT call_id, agent_call_id FROM ledger_aliases WHERE call_id IN "
+                f"({','.join('?' * len(chunk))}) ORDER BY rowid", chunk)
+            for r in rows:
+                found.setdefault(r["call_id"], []).append(r["agent_call_id"])
+        return found
 
     def events(self, call_id: str) -> list[tuple[str | None, str, str]]:
         """(from, to, note) of every state change of one call, oldest first."""
@@ -410,6 +435,12 @@ class Ledger:
             [parent, *wanted, branch],
         )
         return [_record(row) for row in rows]
+
+
+def _chunks(items: list[str], size: int = 500) -> Iterator[list[str]]:
+    """Slices short enough for SQLite's limit on bound parameters."""
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
 
 
 def _record(row: dict[str, Any]) -> CallRecord:

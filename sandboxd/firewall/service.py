@@ -457,7 +457,9 @@ class Firewall:
         except (EffectNotDelivered, EffectOutcomeUnknown) as exc:
             self._count("read_errors")
             if exc.timed_out:
-                raise AdapterTimeout(read_id, adapter.timeout_s, "failed") from exc
+                # A read left unanswered was still sent: say so, it is not "before anything was sent".
+                sent = isinstance(exc, EffectOutcomeUnknown)
+                raise AdapterTimeout(read_id, adapter.timeout_s, "failed", sent=sent) from exc
             raise EffectFailed(read_id, exc.reason) from exc
         self._count("reads")
         return FirewallResult(call_id=read_id, tool=tool, state="done", result=result, agent_call_id=call_id)
@@ -520,38 +522,49 @@ class Firewall:
                     "commit or abandon the replay first",
                 )
 
-    def release(self, call_id: str) -> FirewallResult:
-        """Fire a staged (held or replay-staged) effect now."""
+    def target(self, tool: str, args: dict[str, Any]) -> str:
+        """Where a call of `tool` with these arguments goes, as its adapter tells ("" for an unknown tool)."""
+        adapter = self._adapters.get(tool)
+        try:
+            return adapter.target(args) if adapter is not None else ""
+        except (KeyError, TypeError, AttributeError):  # arguments of an older manifest: say nothing
+            return ""
+
+    def release(self, call_id: str, actor: str | None = None, reason: str = "") -> FirewallResult:
+        """Fire a staged (held or replay-staged) effect now; `actor` and `reason` are recorded."""
         with self._ledger.transaction():
             record = self._ledger.get(call_id)
             self._check_decidable(call_id)
-            self._ledger.transition(call_id, "released", ("staged",), note="released")
+            self._ledger.transition(call_id, "released", ("staged",), note="released", actor=actor,
+                                    reason=reason)
             self._ledger.unhold(call_id)
             self._in_flight.add(call_id)
         assert record is not None
         self._count("released")
         return self._fire(record, self._adapter(record.tool), record.args, "released")
 
-    def drop(self, call_id: str) -> None:
-        """Discard a staged effect without firing it."""
+    def drop(self, call_id: str, actor: str | None = None, reason: str = "") -> None:
+        """Discard a staged effect without firing it; `actor` and `reason` are recorded."""
         with self._ledger.transaction():
             self._check_decidable(call_id)
-            self._drop(call_id, "dropped by operator")
+            self._drop(call_id, "dropped by operator", actor, reason)
 
-    def _drop(self, call_id: str, note: str) -> None:
-        self._ledger.transition(call_id, "dropped", ("staged",), note=note)
+    def _drop(self, call_id: str, note: str, actor: str | None = None, reason: str = "") -> None:
+        self._ledger.transition(call_id, "dropped", ("staged",), note=note, actor=actor, reason=reason)
         self._ledger.unhold(call_id)
         self._count("dropped")
 
     def resolve(
-        self, call_id: str, outcome: Literal["done", "failed"], result: dict[str, Any] | None = None
+        self, call_id: str, outcome: Literal["done", "failed"], result: dict[str, Any] | None = None,
+        actor: str | None = None, reason: str = "",
     ) -> CallRecord:
         """Settle an `unknown` call by an operator's word: it did happen (done) or did not (failed)."""
         if outcome not in ("done", "failed"):
             raise InvalidArguments("resolve", f"outcome must be done or failed, not {outcome!r}", "$.outcome")
         with self._ledger.transaction():
             note = "resolved by operator"
-            self._ledger.transition(call_id, outcome, ("unknown",), note=note, result=result, error=None)
+            self._ledger.transition(call_id, outcome, ("unknown",), note=note, result=result, error=None,
+                                    actor=actor, reason=reason)
             record = self._ledger.get(call_id)
         self._count("resolved")
         assert record is not None

@@ -8,6 +8,7 @@ logic (calls, snapshots, provenance, revocation) is tested in seconds without an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,8 +38,10 @@ class Sandbox(Protocol):
         """Start (or restart) a sandbox that stopped or stopped answering; False when it no longer exists."""
         ...
 
-    def request(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """One executor request (raises SandboxUnavailable when the sandbox does not answer)."""
+    def request(self, session_id: str, payload: dict[str, Any], timeout: float,
+                on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
+        """One executor request (raises SandboxUnavailable when the sandbox does not answer); a streamed
+        call's output goes to `on_output(stream, text)` as it comes, where the sandbox can stream."""
         ...
 
     def oom_killed(self, session_id: str) -> bool:

@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +37,22 @@ class ExecutorChannel:
                 time.sleep(0.02)
         raise SandboxUnavailable(f"executor did not come up within {timeout:g}s: {last}")
 
-    def request(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send one request and wait up to `timeout` seconds for its reply."""
+    def request(self, payload: dict[str, Any], timeout: float,
+                on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
+        """Send one request and wait up to `timeout` seconds for its reply; a streamed call's chunks, which
+        come ahead of it, go to `on_output(stream, text)`."""
         with self._lock:
             try:
                 sock = self._connect()
                 sock.settimeout(timeout)
                 data = json.dumps(payload).encode()
                 sock.sendall(struct.pack(">I", len(data)) + data)
-                return self._read_reply(sock)
+                deadline = time.monotonic() + timeout
+                while isinstance(partial := (reply := self._read_reply(sock)).get("partial"), dict):
+                    if on_output is not None:
+                        on_output(str(partial.get("stream")), str(partial.get("text", "")))
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                return reply
             except (OSError, ValueError) as exc:
                 self._close()
                 raise SandboxUnavailable(f"executor channel failed: {exc}", socket=str(self.socket_path)) from exc

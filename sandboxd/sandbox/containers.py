@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -222,9 +223,10 @@ class ContainerManager:
                 self._channels[session_id] = chan
             return chan
 
-    def request(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def request(self, session_id: str, payload: dict[str, Any], timeout: float,
+                on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
         """One request to the session's executor."""
-        return self.channel(session_id).request(payload, timeout)
+        return self.channel(session_id).request(payload, timeout, on_output)
 
     def ensure_running(self, session_id: str) -> bool:
         """Start the session's container if it stopped, restart it if its executor does not answer;

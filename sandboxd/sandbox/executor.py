@@ -11,6 +11,8 @@ calls at once and can reap every stray process between calls.
 from __future__ import annotations
 
 import argparse
+import base64
+import codecs
 import contextvars
 import ctypes
 import glob
@@ -33,6 +35,9 @@ WORKSPACE = "/workspace"
 # daemon runs this code in-process (sandboxd.sandbox.local, for tests without an engine).
 _workspace: contextvars.ContextVar[str] = contextvars.ContextVar("workspace", default=WORKSPACE)
 MAX_REQUEST = 64 * 1024 * 1024
+# Where a streamed call's output goes as it comes: a partial frame on the daemon's connection (unset when
+# the daemon runs this code in-process, which streams nothing).
+_emit: contextvars.ContextVar[Any] = contextvars.ContextVar("emit", default=None)
 _serving_in_sandbox = False
 """Set by `main`: the process serves a sandbox, so after a call every other process of its user is a leftover."""
 
@@ -94,10 +99,14 @@ def _expose_to_oom_killer(pid: int) -> None:
         pass
 
 
-def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float) -> tuple[bytes, bytes, bool, bool]:
-    """Drain stdout/stderr up to `cap` bytes each until exit or deadline; True flags mean truncated."""
+def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float,
+                 emit: Any = None) -> tuple[bytes, bytes, dict[str, int]]:
+    """Drain stdout/stderr up to `cap` bytes each until exit or deadline; returns both and their full sizes.
+
+    With `emit`, every chunk is also handed to it as it comes, as text (stream, text)."""
     bufs = {"out": bytearray(), "err": bytearray()}
-    cut = {"out": False, "err": False}
+    sizes = {"out": 0, "err": 0}
+    decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in bufs}
     sel = selectors.DefaultSelector()
     assert proc.stdout is not None and proc.stderr is not None
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
@@ -114,8 +123,9 @@ def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float) -> tu
             room = cap - len(buf)
             if room > 0:
                 buf.extend(chunk[:room])
-            if len(chunk) > max(room, 0):
-                cut[key.data] = True
+            sizes[key.data] += len(chunk)
+            if emit is not None:
+                emit(key.data, decoders[key.data].decode(chunk))
         if not exited and proc.poll() is not None:
             exited = True
             deadline = min(deadline, time.monotonic() + 0.1)
@@ -125,7 +135,7 @@ def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float) -> tu
         except subprocess.TimeoutExpired:
             pass
     sel.close()
-    return bytes(bufs["out"]), bytes(bufs["err"]), cut["out"], cut["err"]
+    return bytes(bufs["out"]), bytes(bufs["err"]), sizes
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -229,7 +239,8 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
         _kill_group(proc)
         proc.wait()
         raise ToolFailure("resource_limit", f"could not start the call: {exc}", limit="pids") from exc
-    out, err, out_cut, err_cut = _read_capped(proc, cap, started + timeout)
+    emit = _emit.get() if req.get("stream") else None
+    out, err, sizes = _read_capped(proc, cap, started + timeout, emit)
     timed_out = proc.poll() is None
     # Kill the whole group either way: a call leaves no process behind, not even a backgrounded one.
     _kill_group(proc)
@@ -239,46 +250,95 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
         "exit_code": code,
         "stdout": out.decode("utf-8", "replace"),
         "stderr": err.decode("utf-8", "replace"),
-        "stdout_truncated": out_cut,
-        "stderr_truncated": err_cut,
+        "stdout_truncated": sizes["out"] > len(out),
+        "stderr_truncated": sizes["err"] > len(err),
+        "stdout_size": sizes["out"],
+        "stderr_size": sizes["err"],
         "timed_out": timed_out,
         "oom_killed": code == -signal.SIGKILL and oom_after > oom_before >= 0,
         "duration_ms": (time.monotonic() - started) * 1000,
     }
 
 
-def read_file(req: dict[str, Any]) -> dict[str, Any]:
-    """Return a file's text (decoded as UTF-8 with replacement), capped."""
+def _read_at(req: dict[str, Any], offset: int, length: int) -> tuple[bytes, os.stat_result]:
+    """`length` bytes of a workspace file from `offset`, and its stat."""
     path = confine(req["path"])
-    cap = int(req["max_bytes"])
     try:
         with open(path, "rb") as fh:
-            data = fh.read(cap + 1)
+            st = os.fstat(fh.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(path)
+            fh.seek(offset)
+            return fh.read(length), st
     except FileNotFoundError:
         raise ToolFailure("not_found", f"no such file: {req['path']}", path=req["path"]) from None
     except IsADirectoryError:
         raise ToolFailure("invalid_arguments", f"{req['path']} is a directory", path=req["path"]) from None
-    return {"exit_code": 0, "stdout": data[:cap].decode("utf-8", "replace"), "stderr": "",
-            "stdout_truncated": len(data) > cap}
 
 
-def write_file(req: dict[str, Any]) -> dict[str, Any]:
-    """Write (or append) text to a file, creating parent directories inside the workspace."""
+def _text(data: bytes, cut: bool) -> str | None:
+    """`data` as UTF-8 text, or None when it is not text (NUL bytes, invalid UTF-8). A cut may split the
+    last character: that one is left out, not taken as a sign of binary data."""
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if cut and exc.reason == "unexpected end of data":
+            return data[:exc.start].decode("utf-8", "replace")
+        return None
+
+
+def read_file(req: dict[str, Any]) -> dict[str, Any]:
+    """Return a file's text, capped (its full size said when cut). A file that is not text is not mangled
+    into replacement characters: the call fails and says how to copy it out instead."""
+    cap = int(req["max_bytes"])
+    data, st = _read_at(req, 0, cap + 1)
+    cut = len(data) > cap
+    text = _text(data[:cap], cut)
+    size = max(st.st_size, len(data))
+    if text is None:
+        return {"exit_code": 1, "stdout": "", "stdout_size": size, "stderr": (
+            f"{req['path']} is a binary file ({size} bytes), not shown as text; copy it out with "
+            f"`sandboxd cp SESSION:{req['path']} LOCAL_PATH`\n")}
+    return {"exit_code": 0, "stdout": text, "stderr": "", "stdout_truncated": cut, "stdout_size": size}
+
+
+def read_bytes(req: dict[str, Any]) -> dict[str, Any]:
+    """A chunk of a file as base64, for copying it out byte for byte."""
+    data, st = _read_at(req, int(req.get("offset") or 0), int(req["length"]))
+    return {"data": base64.b64encode(data).decode("ascii"), "size": st.st_size, "mode": stat.S_IMODE(st.st_mode)}
+
+
+def _write(req: dict[str, Any], data: bytes) -> int:
+    """Write (or append) bytes to a workspace file, creating parent directories; returns its size after."""
     path = confine(req["path"])
     if os.path.isdir(path):
         raise ToolFailure("invalid_arguments", f"{req['path']} is a directory", path=req["path"])
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     confine(parent)
-    data = req["content"].encode()
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if req.get("append") else os.O_TRUNC)
     fd = os.open(path, flags, int(req.get("mode") or 0o644))
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+            fh.flush()
+            return os.fstat(fh.fileno()).st_size
     except OSError as exc:
         raise ToolFailure("resource_limit", f"write failed: {exc.strerror}", path=req["path"]) from exc
+
+
+def write_file(req: dict[str, Any]) -> dict[str, Any]:
+    """Write (or append) text to a file, creating parent directories inside the workspace."""
+    data = req["content"].encode()
+    _write(req, data)
     return {"exit_code": 0, "stdout": f"wrote {len(data)} bytes to {req['path']}", "stderr": ""}
+
+
+def write_bytes(req: dict[str, Any]) -> dict[str, Any]:
+    """Write base64-carried bytes to a file (copying one in byte for byte)."""
+    return {"size": _write(req, base64.b64decode(req["data"], validate=True))}
 
 
 def list_dir(req: dict[str, Any]) -> dict[str, Any]:
@@ -328,6 +388,7 @@ def clear_scratch(_: dict[str, Any]) -> dict[str, Any]:
 
 
 OPS = {"run": run_process, "read_file": read_file, "write_file": write_file, "list_dir": list_dir,
+       "read_bytes": read_bytes, "write_bytes": write_bytes,
        "reap": reap, "clear_scratch": clear_scratch,
        "ping": lambda _: {"ok": True, "pid": os.getpid(), "uid": os.getuid()}}
 
@@ -387,6 +448,8 @@ def serve(socket_path: str) -> None:
     while True:
         conn, _ = server.accept()
         with conn:
+            # A streamed call's chunks go back on this connection ahead of its reply.
+            _emit.set(lambda stream, text, conn=conn: send_frame(conn, {"partial": {"stream": stream, "text": text}}))
             try:
                 while (frame := recv_frame(conn)) is not None:
                     send_frame(conn, handle(frame))

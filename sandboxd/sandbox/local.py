@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,9 @@ class LocalSandbox:
         self.stopped.discard(session_id)
         return session_id in self._workspaces
 
-    def request(self, session_id: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def request(self, session_id: str, payload: dict[str, Any], timeout: float,
+                on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
+        """As a container's executor would answer; nothing is streamed (`on_output` is never called)."""
         with self._lock:
             workspace = self._workspaces.get(session_id)
         if workspace is None or session_id in self.stopped:

@@ -227,6 +227,8 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "BeginRevocationRequest": {}, "RevocationStatusRequest": {},
     "CommitRevocationRequest": {"tokens": {}, "transitions_replayed": 0, "final_step": 0},
     "WorldResetRequest": {"injections": {"v": "x"}}, "WorldStateRequest": {},
+    "CopyInRequest": {"path": "owned", "data": b"x"}, "CopyOutRequest": {"path": "owned"},
+    "CallOutputRequest": {"call_id": "c-1", "timeout_s": 0},
 }
 
 

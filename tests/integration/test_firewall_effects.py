@@ -295,7 +295,7 @@ CHILD = textwrap.dedent(
     import sys, threading
     sys.path.insert(0, {repo!r})
     from sandboxd.db import Database
-from sandboxd.firewall import Firewall, parse_config
+    from sandboxd.firewall import Firewall, parse_config
     config = parse_config({{"webhook": {{"url": {url!r}}}, "adapter_timeout_s": 30}})
     firewall = Firewall(config, Database({db!r}))
     firewall.call("s", "lin", "webhook", {{"body": {{"pay": 10}}}}, call_id="agent-1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextvars
 import json
 import os
@@ -11,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sandboxd.sandbox import executor
 
@@ -119,3 +122,57 @@ def test_socket_server_round_trip(workspace: Path, tmp_path: Path) -> None:
     assert reply["stdout"] == "via socket\n"
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
     chan.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=3000), st.integers(min_value=1, max_value=2048))
+def test_read_file_never_mangles_and_always_tells_the_size(tmp_path_factory: pytest.TempPathFactory, data: bytes,
+                                                          cap: int) -> None:
+    ws = tmp_path_factory.mktemp("ws")
+    (ws / "f").write_bytes(data)
+    token = executor._workspace.set(str(ws))
+    try:
+        reply = executor.read_file({"path": "f", "max_bytes": cap})
+        chunk = executor.read_bytes({"path": "f", "offset": 0, "length": len(data) + 1})
+    finally:
+        executor._workspace.reset(token)
+    assert reply["stdout_size"] == len(data) and chunk["size"] == len(data)
+    assert base64.b64decode(chunk["data"]) == data
+    if reply["exit_code"] == 0:  # text: exactly a prefix of the file, cut only at the cap
+        shown = str(reply["stdout"]).encode()
+        assert data.startswith(shown) and "\ufffd" not in str(reply["stdout"])
+        assert reply["stdout_truncated"] == (len(data) > cap) and len(data) - len(shown) <= max(len(data) - cap, 0) + 3
+    else:  # not text: said so, nothing shown
+        assert reply["stdout"] == "" and "binary file" in str(reply["stderr"])
+        assert b"\x00" in data[:cap] or not _utf8_prefix(data[:cap], cut=len(data) > cap)
+
+
+def _utf8_prefix(data: bytes, cut: bool) -> bool:
+    """Whether `data` is UTF-8, apart from one character left incomplete at its end when the read was cut."""
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError as exc:
+        return cut and exc.reason == "unexpected end of data"
+
+
+def test_write_bytes_round_trips_and_stays_confined(workspace: Path) -> None:
+    data = bytes(range(256))
+    assert executor.write_bytes({"path": "d/x.bin", "data": base64.b64encode(data).decode()})["size"] == 256
+    assert executor.write_bytes({"path": "d/x.bin", "data": base64.b64encode(b"!").decode(), "append": True}) \
+        == {"size": 257}
+    assert (workspace / "d" / "x.bin").read_bytes() == data + b"!"
+    reply = executor.handle(json.dumps({"op": "write_bytes", "path": "../x", "data": ""}).encode())
+    assert reply["error"] == "path_escape"
+
+
+def test_run_streams_chunks_and_counts_full_sizes(workspace: Path) -> None:
+    got: list[tuple[str, str]] = []
+    token = executor._emit.set(lambda stream, text: got.append((stream, text)))
+    try:
+        reply = executor.run_process({"argv": ["/bin/sh", "-c", "head -c 3000 /dev/zero | tr '\\0' a; echo e >&2"],
+                                      "timeout": 5, "output_bytes": 100, "stream": True})
+    finally:
+        executor._emit.reset(token)
+    assert reply["stdout_size"] == 3000 and reply["stdout_truncated"] and len(str(reply["stdout"])) == 100
+    assert "".join(t for s, t in got if s == "out") == "a" * 3000 and "".join(t for s, t in got if s == "err") == "e\n"
