@@ -122,4 +122,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "where a live session's provenance ended when a branch of it opened", (
         "CREATE TABLE IF NOT EXISTS prov_branches (branch TEXT PRIMARY KEY, session_id TEXT, artifact_end INTEGER, "
         "checkpoint_end INTEGER)",)),
+    Migration(5, "rollbacks and forks: a fork's parent and its held effects, an operation's report", (
+        "ALTER TABLE sessions ADD COLUMN forked_from TEXT",
+        "ALTER TABLE sessions ADD COLUMN hold_effects INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE branches ADD COLUMN report TEXT",
+    )),
 )

@@ -28,6 +28,7 @@ from sandboxd.errors import (
     SandboxUnavailable,
     SessionClosed,
     SnapshotFailed,
+    SnapshotInUse,
     SnapshotNotFound,
     UnknownSession,
 )
@@ -56,6 +57,9 @@ class SessionRow(msgspec.Struct, kw_only=True):
     container_id: str | None = None
     env_snapshot: str | None = None
     """A snapshot equal to the sandbox now, or None once a write-class call may have changed it."""
+    forked_from: str | None = None
+    hold_effects: int = 0
+    """1: every external call of the session is held for release (a fork's, unless started with live effects)."""
 
     def info(self) -> p.SessionInfo:
         return p.SessionInfo(session_id=self.session_id, image=self.image,
@@ -247,14 +251,30 @@ class Sessions:
             raise SnapshotNotFound(snapshot_id, session_id)
         return row
 
-    def delete(self, session_id: str, snapshot_id: str) -> None:
+    def delete(self, session_id: str, snapshot_id: str, force: bool = True) -> list[str]:
+        """Delete a snapshot; one that live checkpoints refer to only with `force`. Returns those checkpoints."""
         self.own_snapshot(session_id, snapshot_id)
+        broken = self.checkpoints_on(session_id, snapshot_id)
+        if broken and not force:
+            raise SnapshotInUse(snapshot_id, broken)
         try:
             self.store.delete(session_id, snapshot_id)
         except UnknownSnapshot:
             pass  # a crash between store and state already removed the files
         with self.db.transaction():
             self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", [snapshot_id])
+            if broken:  # the checkpoints stay (they are the agent's context) but can no longer restore files
+                self.db.execute("UPDATE prov_checkpoints SET snapshot_id = NULL WHERE session_id = ? AND "
+                                "snapshot_id = ?", [session_id, snapshot_id])
+            self.db.execute("UPDATE sessions SET env_snapshot = NULL WHERE session_id = ? AND env_snapshot = ?",
+                            [session_id, snapshot_id])
+        return broken
+
+    def checkpoints_on(self, session_id: str, snapshot_id: str) -> list[str]:
+        """The checkpoints (of any branch) that restore the files of this snapshot."""
+        return [str(r["checkpoint_id"]) for r in self.db.rows(
+            "SELECT checkpoint_id FROM prov_checkpoints WHERE session_id = ? AND snapshot_id = ? ORDER BY rowid",
+            [session_id, snapshot_id])]
 
     def drop_checkpoint_snapshots(self, session_id: str, keep: set[str]) -> None:
         """Delete checkpoint snapshots no remaining checkpoint refers to (an old suffix's)."""
@@ -266,16 +286,21 @@ class Sessions:
     # The branch participant that holds the sandbox's files --------------------------------------
 
     def begin(self, branch: Branch) -> None:
-        """The sandbox goes back to the splice checkpoint's snapshot (the caller holds the session lock)."""
-        if branch.splice.snapshot_id:
+        """A replay's sandbox goes back to the splice checkpoint's snapshot (the caller holds the session lock).
+
+        A rollback's waits for its commit: until the operation commits, a crash must find the files as they
+        were, and once it is committing it is finished after a crash, the restore with it."""
+        if branch.kind == "replay" and branch.splice.snapshot_id:
             self.restore(branch.session_id, branch.splice.snapshot_id)
 
     def commit(self, branch: Branch) -> dict[str, Any]:
         """The old suffix's checkpoint snapshots go, and their blocks leave the session's disk image."""
         if self.get(branch.session_id) is not None and self.known(branch.session_id).state == "open":
+            if branch.kind == "rollback" and branch.splice.snapshot_id:
+                self.restore(branch.session_id, branch.splice.snapshot_id)  # again after a crash: same files
             self.drop_checkpoint_snapshots(branch.session_id, self.live_snapshots(branch.session_id))
             self.store.trim(branch.session_id)
-        return {}
+        return {"files_restored": branch.splice.snapshot_id} if branch.kind == "rollback" else {}
 
     def abandon(self, branch: Branch) -> None:
         """The sandbox goes back to where the live branch left it (its latest checkpoint's snapshot)."""

@@ -24,11 +24,14 @@ class FirewallHandlers:
     """Handlers for the firewall's requests, dispatched by the service."""
 
     def __init__(self, firewall: Firewall, check_open: Callable[[str], object], known: Callable[[str], object],
-                 sandbox_calls: Callable[[str], list[p.LedgerCall]]) -> None:
+                 sandbox_calls: Callable[[str], list[p.LedgerCall]],
+                 holds_effects: Callable[[str], bool] = lambda _sid: False) -> None:
         self.firewall = firewall
         self.check_open = check_open
         self.known = known
         self.sandbox_calls = sandbox_calls
+        self.holds_effects = holds_effects
+        """Whether a session's effects are all held for release (a fork's, by default)."""
 
     def handlers(self) -> dict[type[Any], Callable[[Any], p.Response]]:
         """Request type -> handler, for the service's dispatch table."""
@@ -40,6 +43,7 @@ class FirewallHandlers:
             p.ReleaseCallRequest: self.release,
             p.DropCallRequest: self.drop,
             p.ResolveCallRequest: self.resolve,
+            p.CompensateRequest: self.compensate,
         }
 
     def serves(self, tool: str) -> bool:
@@ -48,7 +52,8 @@ class FirewallHandlers:
     def call(self, req: p.CallRequest, lineage: str) -> p.CallResult:
         """An external (or http_get) call, through the ledger."""
         outcome = self.firewall.call(req.session_id, lineage, req.tool, req.args, call_id=req.call_id,
-                                     mode=req.mode, turn=req.turn, clock=req.clock, branch=req.branch)
+                                     mode=req.mode, turn=req.turn, clock=req.clock, branch=req.branch,
+                                     hold=self.holds_effects(req.session_id))
         return call_result(outcome)
 
     def commit_turn(self, req: p.CommitTurnRequest) -> p.CommitTurnResponse:
@@ -64,6 +69,7 @@ class FirewallHandlers:
         self.known(req.session_id)
         calls = self.sandbox_calls(req.session_id)
         calls += [ledger_call(record) for record in self.firewall.calls(req.session_id)]
+        calls += [ledger_call(record) for record in self.firewall.compensator.of_session(req.session_id)]
         calls.sort(key=lambda c: (c.created_at, c.call_id))
         return p.ListCallsResponse(request_id=req.request_id, calls=calls)
 
@@ -82,6 +88,10 @@ class FirewallHandlers:
         self.firewall.drop(req.call_id)
         return p.DropCallResponse(request_id=req.request_id, call_id=req.call_id)
 
+    def compensate(self, req: p.CompensateRequest) -> p.CompensateResponse:
+        return p.CompensateResponse(request_id=req.request_id, call_id=req.call_id,
+                                    result=call_result(self.firewall.compensate(req.call_id)))
+
     def resolve(self, req: p.ResolveCallRequest) -> p.ResolveCallResponse:
         record = self.firewall.resolve(req.call_id, req.outcome, req.result)
         return p.ResolveCallResponse(request_id=req.request_id, call=ledger_call(record))
@@ -99,7 +109,9 @@ class FirewallParticipant:
         self.firewall = firewall
 
     def begin(self, branch: Branch) -> None:
-        self.firewall.begin_replay(branch.id, branch.session_id, from_turn=branch.from_turn)
+        # A replay re-decides whole turns; a rollback keeps exactly what was reached before its point.
+        until = branch.splice.created_at if branch.kind == "rollback" else None
+        self.firewall.begin_replay(branch.id, branch.session_id, from_turn=branch.from_turn, until=until)
 
     def commit(self, branch: Branch) -> dict[str, Any]:
         """Orphaned, dropped, unresolved, staged and held calls of the replay (nothing once it is live)."""
