@@ -164,6 +164,43 @@ class Sessions:
             self.update(session_id, state="open", container_id=container_id)
         return self.known(session_id)
 
+    def open_fork(self, parent: SessionRow, snapshots: list[str], at: str, hold_effects: bool) -> tuple[
+            SessionRow, dict[str, str]]:
+        """A new session, still `opening`, whose store holds copies of the parent's `snapshots` (under new ids,
+        returned old -> new) and whose sandbox runs on the files of snapshot `at`. The caller records the rest
+        and opens it in one transaction; a crash before leaves an `opening` session, torn down at start-up."""
+        session_id = "s-" + uuid.uuid4().hex[:12]
+        renamed = {old: "snap-" + uuid.uuid4().hex[:12] for old in snapshots}
+        with self.db.transaction():
+            self.db.insert("sessions", SessionRow(session_id=session_id, image=parent.image, state="opening",
+                                                  created_at=time.time(), owner=parent.owner,
+                                                  forked_from=parent.session_id, hold_effects=int(hold_effects)))
+        try:
+            root = self.store.create(session_id, self.sandbox.owner())
+            self.store.clone(parent.session_id, session_id, renamed)
+            self.store.restore(session_id, renamed[at])
+            container_id = self.sandbox.create(session_id, parent.image, root, self.store.propagation)
+        except BaseException:
+            self.teardown(session_id)
+            self.update(session_id, state="failed", closed_at=time.time())
+            raise
+        with self.db.transaction():
+            for old, new in renamed.items():
+                origin = self.own_snapshot(parent.session_id, old)
+                self.db.insert("snapshots", msgspec.structs.replace(origin, snapshot_id=new, session_id=session_id))
+            self.db.update("sessions", {"session_id": session_id}, container_id=container_id,
+                           env_snapshot=renamed[at])
+        return self.known(session_id), renamed
+
+    def stop_all(self) -> None:
+        """A daemon stopping: every sandbox stops and every mount goes; start-up brings them back."""
+        for row in self.in_states(("open",)):
+            try:
+                self.sandbox.stop(row.session_id)
+            except Exception:  # noqa: BLE001 - the engine may be gone too; start-up recovers either way
+                log.warning("could not stop the sandbox of %s", row.session_id, exc_info=True)
+        self.store.detach()
+
     def teardown(self, session_id: str) -> None:
         """Remove the session's sandbox and snapshot store (its rows stay)."""
         self.sandbox.remove(session_id)
@@ -257,15 +294,14 @@ class Sessions:
         broken = self.checkpoints_on(session_id, snapshot_id)
         if broken and not force:
             raise SnapshotInUse(snapshot_id, broken)
+        # Checkpoints that refer to it keep the id: splicing there then fails with snapshot_not_found, rather
+        # than going on with files that are not the checkpoint's.
         try:
             self.store.delete(session_id, snapshot_id)
         except UnknownSnapshot:
             pass  # a crash between store and state already removed the files
         with self.db.transaction():
             self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", [snapshot_id])
-            if broken:  # the checkpoints stay (they are the agent's context) but can no longer restore files
-                self.db.execute("UPDATE prov_checkpoints SET snapshot_id = NULL WHERE session_id = ? AND "
-                                "snapshot_id = ?", [session_id, snapshot_id])
             self.db.execute("UPDATE sessions SET env_snapshot = NULL WHERE session_id = ? AND env_snapshot = ?",
                             [session_id, snapshot_id])
         return broken
@@ -331,6 +367,7 @@ class Sessions:
         for workspace in set(self.store.workspaces()) - live:
             log.warning("removing orphaned workspace %s", workspace)
             self.store.destroy(workspace)
+        self.store.sweep(live)
         return live
 
     def _recover(self, row: SessionRow) -> None:

@@ -50,6 +50,11 @@ class Compensator:
         """The compensation of `call_id`, if it was ever asked for."""
         return self.ledger.get(compensation_id(call_id))
 
+    def undone(self, call_id: str) -> bool:
+        """Whether the effect of `call_id` was compensated (its compensation is done)."""
+        record = self.get(call_id)
+        return record is not None and record.state == "done"
+
     def of_session(self, session_id: str) -> list[CallRecord]:
         return self.ledger.of_session_like(session_id, PREFIX + "%")
 

@@ -330,7 +330,9 @@ class Firewall:
 
     def _decide(self, ask: _Ask, branch: str, record: CallRecord, is_new: bool) -> _Plan:
         call_id, state = record.call_id, record.state
-        if not is_new:
+        # An orphaned effect an operator compensated is undone: reached again, it is made again.
+        undone = state == "orphaned" and not is_new and self.compensator.undone(call_id)
+        if not is_new and not undone:
             if state in ("done", "orphaned"):
                 if state == "orphaned":
                     self._ledger.transition(call_id, "done", ("orphaned",), note="reached again")
@@ -346,7 +348,8 @@ class Firewall:
         if is_new:
             self._ledger.insert_call(msgspec.structs.replace(record, state=target, policy=ask.policy))
         else:
-            self._ledger.transition(call_id, target, _RETRYABLE, note="reached again", policy=ask.policy)
+            note = "reached again after its compensation" if undone else "reached again"
+            self._ledger.transition(call_id, target, (*_RETRYABLE, "orphaned"), note=note, policy=ask.policy)
             self._ledger.set_simulated(call_id, None)
         if target == "intent":
             return _Plan("fire", record)
