@@ -84,6 +84,9 @@ SAMPLES: list[Any] = [
     p.ListRevocationsRequest(request_id="r"),
     p.ListRevocationsResponse(request_id="r", revocations=[]),
     p.CancelRevocationRequest(request_id="r", revocation_id="rv-1", reason="raised by mistake"),
+    p.CancelRevocationResponse(request_id="r", revocation=p.RevocationInfo(
+        revocation_id="rv-1", session_id="s-1", source="obs-3", state="cancelled", raised_by="operator", tau=3,
+        error="cancelled by an operator: raised by mistake", created_at=5.0)),
     p.DeleteSnapshotRequest(request_id="r", session_id="s-1", snapshot_id="snap-1", force=True),
     p.DeleteSnapshotResponse(request_id="r", snapshot_id="snap-1", broken=["cp-1"]),
     p.WorldResponse(request_id="r", session_id="s-1", suite="banking", environment=b"\x80\x04N."),
