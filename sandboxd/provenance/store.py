@@ -78,17 +78,33 @@ class ProvenanceStore:
                           [session_id, branch, artifact_id])
         return rows[0] if rows else None
 
-    def add_checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = LIVE) -> None:
-        """Store a checkpoint, remembering how many artifacts existed when it was taken."""
+    def add_checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = LIVE) -> bool:
+        """Store a checkpoint, remembering how many artifacts existed when it was taken; False when the very same
+        position is registered again (an agent resumed from it after a rollback), which keeps the first."""
         with self.db.transaction():
-            if self._rows("SELECT 1 FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
-                          [session_id, branch, checkpoint.checkpoint_id]):
+            same = self._rows("SELECT step, turn, token_offset FROM prov_checkpoints WHERE session_id = ? AND "
+                              "branch = ? AND checkpoint_id = ?", [session_id, branch, checkpoint.checkpoint_id])
+            position = (checkpoint.step, checkpoint.turn, checkpoint.token_offset)
+            unmoved = self._next_seq(session_id) - 1 == self._checkpoint_seq(session_id, branch, checkpoint.checkpoint_id)
+            if same and (same[0]["step"], same[0]["turn"], same[0]["token_offset"]) == position and unmoved:
+                return False
+            if same:
                 raise InvalidArguments("checkpoint", f"checkpoint {checkpoint.checkpoint_id} already exists",
                                        "$.checkpoint.checkpoint_id")
             row = msgspec.to_builtins(checkpoint)
             row.update(session_id=session_id, manifest=json.dumps(checkpoint.manifest),
                        artifact_seq=self._next_seq(session_id) - 1, branch=branch)
             self.db.insert("prov_checkpoints", row)
+        return True
+
+    def _checkpoint_seq(self, session_id: str, branch: str, checkpoint_id: str) -> int:
+        return int(self.db.value("SELECT artifact_seq FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND "
+                                 "checkpoint_id = ?", [session_id, branch, checkpoint_id]) or 0)
+
+    def checkpoint(self, session_id: str, checkpoint_id: str, branch: str = LIVE) -> p.CheckpointRecord | None:
+        rows = self._rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
+                          [session_id, branch, checkpoint_id])
+        return _checkpoint(rows[0]) if rows else None
 
     # Queries -----------------------------------------------------------------------------------
 
