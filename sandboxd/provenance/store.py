@@ -85,7 +85,8 @@ class ProvenanceStore:
             same = self._rows("SELECT step, turn, token_offset FROM prov_checkpoints WHERE session_id = ? AND "
                               "branch = ? AND checkpoint_id = ?", [session_id, branch, checkpoint.checkpoint_id])
             position = (checkpoint.step, checkpoint.turn, checkpoint.token_offset)
-            unmoved = self._next_seq(session_id) - 1 == self._checkpoint_seq(session_id, branch, checkpoint.checkpoint_id)
+            cid = checkpoint.checkpoint_id
+            unmoved = self._next_seq(session_id) - 1 == self._checkpoint_seq(session_id, branch, cid)
             if same and (same[0]["step"], same[0]["turn"], same[0]["token_offset"]) == position and unmoved:
                 return False
             if same:
