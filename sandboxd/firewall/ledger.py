@@ -229,7 +229,8 @@ class Ledger:
         """Calls of a session that fired more than once without a certain failure in between (must be 0)."""
         rows = self._rows(
             """SELECT e.call_id,
-                      SUM(e.to_state = 'fired') - SUM(e.from_state = 'fired' AND e.to_state = 'failed') AS live
+                      SUM(e.to_state = 'fired') - SUM(e.from_state = 'fired' AND e.to_state = 'failed')
+                      - SUM(e.note = 'reached again after its compensation') AS live
                FROM ledger_events e JOIN ledger_calls c ON c.call_id = e.call_id
                WHERE c.session_id = ? GROUP BY e.call_id HAVING live > 1""",
             [session_id],
