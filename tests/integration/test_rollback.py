@@ -223,5 +223,6 @@ def state_of(client: Client, sid: str) -> object:
     """What a refused operation must leave as it was: provenance, effects, outbox, files."""
     effects = [(c.call_id, c.state) for c in client.calls(sid) if c.effect == "external"]
     graph = client.graph(sid)
-    return (msgspec.to_builtins(graph.artifacts), msgspec.to_builtins(graph.checkpoints), effects, [h.call_id for h in client.outbox(sid)],
+    return (msgspec.to_builtins(graph.artifacts), msgspec.to_builtins(graph.checkpoints), effects,
+            [h.call_id for h in client.outbox(sid)],
             client.call(sid, "list_dir", {"recursive": True}).stdout, notes(client, sid))
