@@ -9,16 +9,29 @@ ones in shadow mode. What it cost is metered by the backend and sent with the co
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
 from agent.runtime import AgentSession, Exogenous
 from sandboxd import protocol as p
+from sandboxd.client import RemoteError
+
+log = logging.getLogger("agent")
 
 
 def apply_pending(session: AgentSession) -> list[p.RevocationReport]:
-    """Apply every revocation waiting for this session, oldest first."""
-    return [apply(session, info.revocation_id) for info in session.client.pending_revocations(session.session_id)]
+    """Apply every revocation waiting for this session, oldest first. One the daemon cannot begin is failed
+    there, with its reason (`sandboxd revocations`), and the next one is taken."""
+    reports = []
+    for info in session.client.pending_revocations(session.session_id):
+        try:
+            reports.append(apply(session, info.revocation_id))
+        except RemoteError as exc:
+            if exc.wire_code in ("sandbox_unavailable", "session_closed", "unknown_session"):
+                raise
+            log.warning("revocation %s failed: %s", info.revocation_id, exc)
+    return reports
 
 
 def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = False) -> p.RevocationReport:

@@ -277,6 +277,14 @@ class AgentSession:
         recorded = {a.artifact_id: a for a in self.client.graph(self.session_id).artifacts}
         return [recorded[aid] for aid in checkpoint.manifest]
 
+    def reattach(self, inputs: Iterable[Exogenous] = ()) -> p.CheckpointRecord:
+        """Pick the session up where the daemon's record of it ends (after a rollback: the rollback's point,
+        its latest checkpoint) with that checkpoint's context; `inputs` are what the agent has still to do."""
+        self._outbox = []  # what was not recorded yet belongs to the history the daemon no longer holds
+        point = max(self.client.graph(self.session_id).checkpoints, key=lambda c: c.created_at)
+        self.resume(point, self.context_of(point), inputs)
+        return point
+
     def resume(self, checkpoint: p.CheckpointRecord, context: list[p.Artifact], inputs: Iterable[Exogenous]) -> None:
         """Restore the model cache and the blocks to a checkpoint; queue the inputs that follow it."""
         self.backend.restore(Checkpoint(offset=checkpoint.token_offset, cache_handle=checkpoint.cache_handle))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -81,9 +81,12 @@ class Branches:
     done its part, so a crash is either before it (`unfinished` finds the operation and it is finished
     again) or after it (nothing is left to do)."""
 
-    def __init__(self, db: Database, participants: Sequence[Participant]) -> None:
+    def __init__(self, db: Database, participants: Sequence[Participant],
+                 reached: Callable[[str], None] = lambda _point: None) -> None:
         self.db = db
         self.participants = list(participants)
+        self.reached = reached
+        """Told each point an operation passes (begun, committing, committed:NAME): crash tests stop there."""
 
     def open(self, session_id: str, kind: BranchKind, splice: p.CheckpointRecord) -> Branch:
         """Mint a branch and begin it in every participant; if one fails, those begun abandon it."""
@@ -106,13 +109,18 @@ class Branches:
                 participant.abandon(branch)
             self._finish(branch.id, "abandoned")
             raise
+        self.reached("begun")
         return branch
 
     def commit(self, branch: Branch) -> dict[str, dict[str, Any]]:
         """Commit the branch in every participant, in order; safe to repeat after a crash."""
         with self.db.transaction():
             self.db.update("branches", {"branch": branch.id}, status="committing")
-        reports = {participant.name: participant.commit(branch) for participant in self.participants}
+        self.reached("committing")
+        reports = {}
+        for participant in self.participants:
+            reports[participant.name] = participant.commit(branch)
+            self.reached(f"committed:{participant.name}")
         self._finish(branch.id, "committed")
         return reports
 

@@ -262,8 +262,11 @@ def cmd_restore(args: argparse.Namespace, client: Client) -> None:
 
 def cmd_snapshots(args: argparse.Namespace, client: Client) -> None:
     if args.delete:
-        client.delete_snapshot(args.session, args.delete)
-        _print(args, {"deleted": args.delete}, lambda d: f"deleted {d['deleted']}")
+        broken = client.delete_snapshot(args.session, args.delete, force=args.force)
+        _print(args, {"deleted": args.delete, "broken_checkpoints": broken},
+               lambda d: f"deleted {d['deleted']}" + (
+                   f"; checkpoints {', '.join(d['broken_checkpoints'])} can no longer restore files: rollbacks, "
+                   "forks and revocations splicing there will fail" if d["broken_checkpoints"] else ""))
         return
     _print(args, client.snapshots(args.session), lambda ss: _table(
         [["SNAPSHOT", "LABEL", "LAYERS"]] + [[s.snapshot_id, s.label or "", str(s.layers)] for s in ss]))
@@ -404,10 +407,72 @@ def cmd_revoke(args: argparse.Namespace, client: Client) -> None:
             _print(args, status.report, lambda r: json.dumps(msgspec.to_builtins(r), indent=2, sort_keys=True))
             return
         time.sleep(0.5)
+        if status.revocation.state in ("failed", "cancelled"):
+            raise SystemExit(f"sandboxd revoke: {info.revocation_id} {status.revocation.state}: "
+                             f"{status.revocation.error}")
+        time.sleep(0.5)
     _print(args, {"revocation_id": info.revocation_id, "state": info.state, "tau": info.tau, "T": raised.T,
                   "taint_closure": raised.taint_closure, "checkpoint": info.checkpoint_id},
            lambda d: f"{d['revocation_id']} {d['state']}: tau={d['tau']} T={d['T']}, "
                      f"{len(d['taint_closure'])} artifacts tainted; the agent replays it when it next connects")
+    if args.wait_done:
+        state = client.revocation_status(info.revocation_id).revocation.state
+        raise SystemExit(f"sandboxd revoke: {info.revocation_id} is still {state} after {args.wait_done:g}s: "
+                         "no agent replayed it in time (sandboxd revocations to watch it)")
+
+
+def cmd_rollback(args: argparse.Namespace, client: Client) -> None:
+    if (args.to is None) == (args.turn is None):
+        raise SystemExit("sandboxd rollback: give exactly one of --to CHECKPOINT|SNAPSHOT or --turn N")
+    snapshot = args.to if args.to is not None and args.to.startswith("snap-") else None
+    checkpoint = args.to if args.to is not None and snapshot is None else None
+    report = client.rollback(args.session, checkpoint=checkpoint, snapshot=snapshot, turn=args.turn,
+                             compensate=args.compensate, force=args.force)
+    _print(args, report, _rollback_text)
+
+
+def _rollback_text(r: dict[str, Any]) -> str:
+    to = r["to"]
+    lines = [f"{r['session_id']} rolled back to {to['checkpoint_id'] or 'its start'} (turn {to['turn']}, step "
+             f"{to['step']}) as {r['rollback']}: files from {r['files_restored']}; {r['artifacts_removed']} "
+             f"artifacts, {r['checkpoints_removed']} checkpoints, {r['calls_removed']} sandbox calls removed"]
+    lines += [f"dropped (never fired): {c}" for c in r["dropped"]]
+    for o in r["orphaned"]:
+        undo = (f"compensation {o['compensation_state']}" + (f" ({o['compensation_error']})"
+                                                              if o["compensation_error"] else "")
+                if o["compensation_state"] else f"compensate with: sandboxd compensate {o['call_id']}"
+                if o["compensation"] else "no compensation declared: undo it by hand")
+        lines.append(f"orphaned (fired, cannot undo): {o['call_id']} {o['tool']}: {undo}")
+    lines += [f"unresolved (unknown outcome, passed by --force): {c}" for c in r["unresolved"]]
+    lines += [f"revocation cancelled: {c}" for c in r["revocations_cancelled"]]
+    lines.append("the agent resumes from this point when it next connects")
+    return "\n".join(lines)
+
+
+def cmd_fork(args: argparse.Namespace, client: Client) -> None:
+    report = client.fork(args.session, args.at, live_effects=args.live_effects)
+    _print(args, report, lambda r: f"{r['session_id']} forked from {r['parent']} at {r['at']['checkpoint_id']}: "
+           f"{r['artifacts']} artifacts, {r['checkpoints']} checkpoints, {r['inherited_calls']} ledger calls "
+           f"inherited; its external calls are {'live' if r['effects'] == 'live' else 'held for release'}")
+
+
+def cmd_compensate(args: argparse.Namespace, client: Client) -> None:
+    done = client.compensate(args.call)
+    _print(args, done, lambda d: f"{d['call_id']} compensated by {d['compensation']['call_id']}: "
+           f"{d['compensation']['state']}" + (" (it had run before)" if d["compensation"]["deduplicated"] else ""))
+
+
+def cmd_revocations(args: argparse.Namespace, client: Client) -> None:
+    rows = client.revocations(args.session)
+    _print(args, rows, lambda rs: _table([["REVOCATION", "SESSION", "SOURCE", "STATE", "RAISED BY", "AGE", "REASON"]]
+                                         + [[r["revocation_id"], r["session_id"], r["source"], r["state"],
+                                             r["raised_by"], _age(time.time() - r["created_at"]), r["error"] or ""]
+                                            for r in rs]))
+
+
+def cmd_revocation(args: argparse.Namespace, client: Client) -> None:
+    info = client.cancel_revocation(args.id, args.reason)
+    _print(args, info, lambda r: f"{r['revocation_id']} {r['state']}: {r['error']}")
 
 
 def cmd_graph(args: argparse.Namespace, client: Client) -> None:
@@ -519,6 +584,8 @@ def parser() -> argparse.ArgumentParser:
     snaps = add("snapshots", cmd_snapshots, "list (or --delete) a session's snapshots")
     snaps.add_argument("session")
     snaps.add_argument("--delete", metavar="SNAPSHOT")
+    snaps.add_argument("--force", action="store_true",
+                       help="with --delete: delete it even though checkpoints refer to it (says what it breaks)")
     calls = add("calls", cmd_calls, "a session's calls (sandbox and external), or resolve an unknown one")
     calls.add_argument("target", metavar="SESSION|all|resolve")
     calls.add_argument("call", nargs="?", metavar="CALL")
@@ -542,6 +609,26 @@ def parser() -> argparse.ArgumentParser:
     revoke.add_argument("--source", required=True, help="the artifact the target entered through")
     revoke.add_argument("--target", help="the text to forget (default: the whole source)")
     revoke.add_argument("--wait-done", type=float, default=0.0, help="seconds to wait for the agent's replay")
+    rollback = add("rollback", cmd_rollback, "roll a whole session back: files, held calls, provenance, checkpoints")
+    rollback.add_argument("session")
+    rollback.add_argument("--to", metavar="CHECKPOINT|SNAPSHOT", help="a checkpoint id, or a snapshot id (snap-...)")
+    rollback.add_argument("--turn", type=int, help="back to the start of turn N (it and later turns are discarded)")
+    rollback.add_argument("--compensate", action="store_true",
+                          help="run the declared compensation of each orphaned effect (at most once)")
+    rollback.add_argument("--force", action="store_true", help="roll back past calls whose outcome is unknown")
+    fork = add("fork", cmd_fork, "a new session from a checkpoint of SESSION (its external calls held)")
+    fork.add_argument("session")
+    fork.add_argument("--at", required=True, metavar="CHECKPOINT")
+    fork.add_argument("--live-effects", action="store_true",
+                      help="let the fork's external calls fire as the release policy says (default: held)")
+    compensate = add("compensate", cmd_compensate, "run an orphaned call's declared compensation (at most once)")
+    compensate.add_argument("call", metavar="CALL")
+    revs = add("revocations", cmd_revocations, "revocations with their states (of SESSION, or of every session)")
+    revs.add_argument("session", nargs="?")
+    revocation = add("revocation", cmd_revocation, "cancel a pending revocation: revocation cancel ID")
+    revocation.add_argument("action", choices=["cancel"])
+    revocation.add_argument("id", metavar="ID")
+    revocation.add_argument("--reason", help="why (recorded with it)")
     graph = add("graph", cmd_graph, "draw the provenance graph, a source's taint closure highlighted")
     graph.add_argument("session")
     graph.add_argument("--format", choices=["json", "dot", "svg"], default="json")

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import zmq
 
 from sandboxd import protocol as p
@@ -323,9 +324,42 @@ class Client:
         req = p.ListSnapshotsRequest(request_id=self._rid(), session_id=session_id)
         return self.request(req, p.ListSnapshotsResponse).snapshots
 
-    def delete_snapshot(self, session_id: str, snapshot_id: str) -> None:
-        req = p.DeleteSnapshotRequest(request_id=self._rid(), session_id=session_id, snapshot_id=snapshot_id)
-        self.request(req, p.DeleteSnapshotResponse)
+    def delete_snapshot(self, session_id: str, snapshot_id: str, force: bool = False) -> list[str]:
+        """Delete a snapshot; one that checkpoints refer to only with `force`. Returns the checkpoints it broke."""
+        req = p.DeleteSnapshotRequest(request_id=self._rid(), session_id=session_id, snapshot_id=snapshot_id,
+                                      force=force)
+        return self.request(req, p.DeleteSnapshotResponse).broken
+
+    # Operator verbs over a whole session (dicts: the web console reads them as JSON) ----------------
+
+    def rollback(self, session_id: str, *, checkpoint: str | None = None, snapshot: str | None = None,
+                 turn: int | None = None, compensate: bool = False, force: bool = False) -> dict[str, Any]:
+        """Operator: roll the session back to one point; returns the rollback report."""
+        req = p.RollbackRequest(request_id=self._rid(), session_id=session_id, checkpoint=checkpoint,
+                                snapshot=snapshot, turn=turn, compensate=compensate, force=force)
+        return msgspec.to_builtins(self.request(req, p.RollbackResponse).report)
+
+    def fork(self, session_id: str, checkpoint: str, *, live_effects: bool = False) -> dict[str, Any]:
+        """Operator: a new session from a checkpoint; returns the fork report (its "session_id" is the new one)."""
+        req = p.ForkRequest(request_id=self._rid(), session_id=session_id, checkpoint=checkpoint,
+                            live_effects=live_effects)
+        reply = self.request(req, p.ForkResponse)
+        return {**msgspec.to_builtins(reply.report), "session": msgspec.to_builtins(reply.session)}
+
+    def compensate(self, call_id: str) -> dict[str, Any]:
+        """Operator: run an orphaned call's declared compensation (at most once); returns its call result."""
+        reply = self.request(p.CompensateRequest(request_id=self._rid(), call_id=call_id), p.CompensateResponse)
+        return {"call_id": reply.call_id, "compensation": msgspec.to_builtins(reply.result)}
+
+    def revocations(self, session_id: str | None = None) -> list[dict[str, Any]]:
+        """Revocations of a session (of every session: operators), oldest first, with their states."""
+        req = p.ListRevocationsRequest(request_id=self._rid(), session_id=session_id)
+        return [msgspec.to_builtins(r) for r in self.request(req, p.ListRevocationsResponse).revocations]
+
+    def cancel_revocation(self, revocation_id: str, reason: str | None = None) -> dict[str, Any]:
+        """Cancel a pending revocation; returns it as it is now."""
+        req = p.CancelRevocationRequest(request_id=self._rid(), revocation_id=revocation_id, reason=reason)
+        return msgspec.to_builtins(self.request(req, p.CancelRevocationResponse).revocation)
 
 
 def _key_bytes(key: str | bytes) -> bytes:

@@ -146,6 +146,12 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     world: Annotated[
         WorldConfig, msgspec.Meta(description="An outside world held by the daemon (none by default)."),
     ] = msgspec.field(default_factory=WorldConfig)
+    crash_at: Annotated[
+        list[str],
+        msgspec.Meta(description="Fault injection for crash tests: the daemon kills itself (SIGKILL) when a branch "
+                                 "operation reaches one of these points: begun, committing, or committed:NAME "
+                                 "(after participant NAME committed). Never set in production."),
+    ] = []
 
     @property
     def state_path(self) -> Path:

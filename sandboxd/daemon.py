@@ -83,6 +83,9 @@ def run(config: DaemonConfig, verbose: bool = False) -> None:
         stopped.set()
         if metrics is not None:
             metrics.stop()  # before the state closes: a scrape reads it
+        # No mount outlives the daemon (the state directory can then be removed); the sandboxes stop with
+        # them and start again, on fresh mounts, when the next daemon recovers the sessions.
+        service.sessions.stop_all()
         service.db.close()
 
 

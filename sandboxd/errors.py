@@ -163,6 +163,27 @@ class SnapshotNotFound(SandboxdError):
         )
 
 
+class SnapshotInUse(SandboxdError):
+    """A snapshot that checkpoints refer to: deleting it would break rollbacks, forks and revocations to them."""
+
+    code = ErrorCode.INVALID_STATE
+
+    def __init__(self, snapshot_id: str, checkpoints: list[str]) -> None:
+        shown = ", ".join(checkpoints[:5]) + (f" and {len(checkpoints) - 5} more" if len(checkpoints) > 5 else "")
+        super().__init__(f"snapshot {snapshot_id} holds the files of checkpoint(s) {shown}: deleting it would break "
+                         "every rollback, fork and revocation that splices there; pass --force to delete it anyway",
+                         snapshot_id=snapshot_id, checkpoints=checkpoints)
+
+
+class OperationRefused(SandboxdError):
+    """An operator's request that does not fit the state of what it names, with the reason in plain words."""
+
+    code = ErrorCode.INVALID_STATE
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message, **details)
+
+
 class SnapshotFailed(SandboxdError):
     code = ErrorCode.SNAPSHOT_FAILED
 

@@ -127,4 +127,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE ledger_events ADD COLUMN reason TEXT",
         "ALTER TABLE sessions ADD COLUMN idle_timeout_s FLOAT",
         "ALTER TABLE sessions ADD COLUMN ttl_s FLOAT")),
+    Migration(6, "rollbacks and forks: a fork's parent and its held effects, an operation's report", (
+        "ALTER TABLE sessions ADD COLUMN forked_from TEXT",
+        "ALTER TABLE sessions ADD COLUMN hold_effects INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE branches ADD COLUMN report TEXT",
+    )),
 )

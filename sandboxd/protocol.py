@@ -14,7 +14,7 @@ import msgspec
 
 from sandboxd.errors import ErrorCode, ProtocolError, to_wire
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 EffectClass = Literal["read", "write", "external"]
 
@@ -52,6 +52,9 @@ class ToolManifest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     open_world: bool | None = None
     """Whether the tool reaches beyond the sandbox; None: only `external` tools do. A read served by the
     firewall (`http_get`, a world's read tools) reads the open world."""
+    compensation: str | None = None
+    """The compensating action an operator may run for a fired call of this tool that a rollback orphaned
+    (the saga pattern: a webhook's undo URL); None: the tool declares none."""
 
     def openai_format(self) -> dict[str, Any]:
         """The manifest as an OpenAI `tools[]` entry."""
@@ -243,7 +246,8 @@ class RevocationInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     checkpoint_id: str | None = None
     branch: str | None = None
     error: str | None = None
-    """Why a failed revocation failed."""
+    """Why a failed revocation failed (or who cancelled it, and why)."""
+    created_at: float = 0.0
 
 
 class RevocationReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -265,6 +269,62 @@ class RevocationReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     wall_ms: float
     answer: str | None = None
     raised_by: str = "operator"
+
+
+class OrphanedEffect(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An external effect that fired after a rollback's point: it cannot be undone, only compensated."""
+
+    call_id: str
+    tool: str
+    args: dict[str, Any]
+    fired_at: float
+    compensation: str | None = None
+    """The compensating action the tool's manifest declares; None: the tool declares none."""
+    compensation_call: str | None = None
+    """The ledger id of the compensating call, once it was asked for (it runs at most once)."""
+    compensation_state: str | None = None
+    """done, failed or unknown once run; None: not run (run it with `sandboxd compensate CALL`)."""
+    compensation_error: str | None = None
+
+
+class RollbackReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a rollback did: files back, held calls dropped, fired ones orphaned, the suffix truncated."""
+
+    rollback: str
+    """The branch operation's id."""
+    session_id: str
+    to: CheckpointRecord
+    """The point: the agent resumes from this checkpoint when it next connects."""
+    files_restored: str | None
+    """The snapshot the sandbox's files went back to."""
+    dropped: list[str]
+    """Calls held or staged after the point: they never fired and now never will."""
+    orphaned: list[OrphanedEffect]
+    """Effects fired after the point: they cannot be undone; compensate those that declare how."""
+    unresolved: list[str]
+    """Calls after the point whose outcome is unknown, passed over by --force: resolve them."""
+    artifacts_removed: Count
+    checkpoints_removed: Count
+    calls_removed: Count
+    revocations_cancelled: list[str]
+    """Pending revocations whose source was after the point: nothing is left for them to forget."""
+    wall_ms: float
+
+
+class ForkReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A fork: a new session with the parent's files, provenance and ledger up to a checkpoint."""
+
+    session_id: str
+    parent: str
+    at: CheckpointRecord
+    """The fork's copy of the parent's checkpoint: its agent starts from here."""
+    artifacts: Count
+    checkpoints: Count
+    snapshots: Count
+    inherited_calls: Count
+    """Ledger calls reached before the point: retried in the fork, they are answered, never fired again."""
+    effects: Literal["held", "live"]
+    """held: the fork's new external calls wait in the outbox for release (the outside world is shared)."""
 
 
 # Requests ------------------------------------------------------------------------------------
@@ -489,6 +549,50 @@ class ListSnapshotsRequest(_Request):
 class DeleteSnapshotRequest(_Request):
     session_id: str
     snapshot_id: str
+    force: bool = False
+    """Delete it even though checkpoints refer to it (rollbacks, forks and revocations to them then fail)."""
+
+
+class RollbackRequest(_Request):
+    """Operator: move a whole session back to a point (one of checkpoint, snapshot, turn); nothing is replayed."""
+
+    session_id: str
+    checkpoint: str | None = None
+    snapshot: str | None = None
+    turn: Count | None = None
+    """Back to the start of this turn: it and every later one are discarded."""
+    compensate: bool = False
+    """Run each orphaned effect's declared compensation (through the ledger, at most once)."""
+    force: bool = False
+    """Pass over calls after the point whose outcome is unknown (they are listed as unresolved)."""
+
+
+class ForkRequest(_Request):
+    """Operator: a new session from a checkpoint of this one; the parent is left as it is."""
+
+    session_id: str
+    checkpoint: str
+    live_effects: bool = False
+    """Let the fork's external calls fire as the release policy says (default: each is held for release)."""
+
+
+class CompensateRequest(_Request):
+    """Operator: run an orphaned effect's declared compensation, through the ledger, at most once."""
+
+    call_id: str
+
+
+class ListRevocationsRequest(_Request):
+    """Revocations of one session, or (operators) of every session, oldest first, in every state."""
+
+    session_id: str | None = None
+
+
+class CancelRevocationRequest(_Request):
+    """Cancel a revocation that no agent has taken yet."""
+
+    revocation_id: str
+    reason: str | None = None
 
 
 # Responses -----------------------------------------------------------------------------------
@@ -539,6 +643,33 @@ class ListSnapshotsResponse(_Response):
 
 class DeleteSnapshotResponse(_Response):
     snapshot_id: str
+    broken: list[str] = []
+    """Checkpoints that referred to it (deleted by force): what can no longer be rolled back, forked or
+    spliced at."""
+
+
+class RollbackResponse(_Response):
+    report: RollbackReport
+
+
+class ForkResponse(_Response):
+    session: SessionInfo
+    report: ForkReport
+
+
+class CompensateResponse(_Response):
+    call_id: str
+    """The orphaned call that was compensated."""
+    result: CallResult
+    """The compensating call (its own ledger id; answered from the ledger when it already ran)."""
+
+
+class ListRevocationsResponse(_Response):
+    revocations: list[RevocationInfo]
+
+
+class CancelRevocationResponse(_Response):
+    revocation: RevocationInfo
 
 
 class CommitTurnResponse(_Response):
@@ -659,7 +790,7 @@ class Event(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Something a session's agent must react to: a revocation raised, a held call decided."""
 
     seq: Count
-    kind: Literal["revocation", "call"]
+    kind: Literal["revocation", "call", "rollback"]
     subject: str
     """The revocation id, or the call id."""
 
@@ -709,6 +840,11 @@ Request = (
     | CopyInRequest
     | CopyOutRequest
     | CallOutputRequest
+    | RollbackRequest
+    | ForkRequest
+    | CompensateRequest
+    | ListRevocationsRequest
+    | CancelRevocationRequest
 )
 
 Response = (
@@ -743,6 +879,11 @@ Response = (
     | CopyInResponse
     | CopyOutResponse
     | CallOutputResponse
+    | RollbackResponse
+    | ForkResponse
+    | CompensateResponse
+    | ListRevocationsResponse
+    | CancelRevocationResponse
     | ErrorResponse
 )
 

@@ -12,6 +12,8 @@ or by an operator (`sandboxd.auth`).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +31,7 @@ from sandboxd.events import Events
 from sandboxd.firewall.handlers import FirewallHandlers, FirewallParticipant
 from sandboxd.firewall.service import Firewall
 from sandboxd.firewall.world import WORLDS, AgentDojoWorld
+from sandboxd.fork import Forks
 from sandboxd.metrics import DaemonMetrics
 from sandboxd.provenance.handlers import ProvenanceHandlers
 from sandboxd.provenance.store import ProvenanceStore
@@ -37,6 +40,7 @@ from sandboxd.revocation.forgotten import Forgotten, load_salt
 from sandboxd.revocation.leaks import LeakScanner
 from sandboxd.revocation.operator import RevocationOperator
 from sandboxd.revocation.records import Revocations
+from sandboxd.rollback import Rollbacks
 from sandboxd.sandbox.base import Sandbox
 from sandboxd.sandbox.usage import container_usage
 from sandboxd.session import Sessions
@@ -52,12 +56,13 @@ class Service:
 
     #: requests cheap enough to answer on the socket thread (they read, and take no session lock)
     INLINE: tuple[type[Any], ...] = (p.HealthRequest, p.ListToolsRequest, p.ListSessionsRequest, p.ListSnapshotsRequest,
-              p.ListCallsRequest, p.OutboxRequest, p.PendingRevocationsRequest, p.RevocationStatusRequest)
+              p.ListCallsRequest, p.OutboxRequest, p.PendingRevocationsRequest, p.RevocationStatusRequest,
+              p.ListRevocationsRequest)
 
     #: requests on the firewall's shared outbox: releasing a 'manual' hold is the operator's decision
     #: and the outside world is not the agent's to reset or to read around its tools
     OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest, p.WorldResetRequest,
-                     p.WorldStateRequest)
+                     p.WorldStateRequest, p.RollbackRequest, p.ForkRequest, p.CompensateRequest)
 
     def __init__(self, config: DaemonConfig, db: Database, sandbox: Sandbox, store: SnapshotStore) -> None:
         self.config = config
@@ -78,14 +83,16 @@ class Service:
         salt = load_salt(config.state_path)
         self.forgotten = Forgotten(db, salt)
         self.effects = FirewallHandlers(self.firewall, self.sessions.check_open, self.sessions.known,
-                                        lambda sid: [row.ledger_call() for row in self.calls.of_session(sid)])
+                                        lambda sid: [row.ledger_call() for row in self.calls.of_session(sid)],
+                                        holds_effects=self._holds_effects)
         self.calls = Calls(db, config, self.sessions, self.tools, self.effects, self.forgotten.filter,
                            flagged=lambda sid: self.revocations.flagged(sid))
         # Committing runs in this order, the ledger last: its commit ends the operation (sandboxd.branch).
         self.branches = Branches(db, [self.provenance, *([self.world] if self.world else []), self.calls,
-                                      self.sessions, FirewallParticipant(self.firewall)])
+                                      self.sessions, FirewallParticipant(self.firewall)], reached=self._reached)
         self.revocations = Revocations(db, self.provenance, self.branches, self.forgotten,
-                                       load_detector(config.detector), self.sessions.check_open, self._raised)
+                                       load_detector(config.detector), self.sessions.check_open, self._raised,
+                                       known=self.sessions.known)
         scanner = LeakScanner(db, salt, config.state_path, store.paths, sandbox.scan_scratch,
                               context=lambda sid: [a for a in self.provenance.artifacts(sid) if a.token_span])
         self.operator = RevocationOperator(
@@ -94,6 +101,9 @@ class Service:
             outside_world=self.world.suite_name if self.world else None,
             committed=lambda by: self.metrics.revocation("committed", by), log_path=config.state_path / "sandboxd.log")
         self.copying = Copying(self.sessions)
+        self.rollbacks = Rollbacks(db, self.sessions, self.provenance, self.calls, self.branches, self.firewall,
+                                   self.revocations, lambda sid, op: self.events.publish(sid, "rollback", op))
+        self.forks = Forks(db, self.sessions, self.provenance, self.firewall, has_world=self.world is not None)
         world = self.world
         self.provenance_handlers = ProvenanceHandlers(
             self.provenance, self.sessions, self.revocations.on_observation,
@@ -114,6 +124,8 @@ class Service:
             p.WorldStateRequest: self.world_state,
             **self.copying.handlers(),
             p.CallOutputRequest: self.calls.output,
+            p.RollbackRequest: self.rollbacks.rollback,
+            p.ForkRequest: self.forks.fork,
         }
         #: requests whose answer depends on who asks: the owner of a new session, whose sessions to list
         self.peer_handlers: dict[type[Any], Callable[[Any, Peer], p.Response]] = {
@@ -159,8 +171,9 @@ class Service:
         """The one ownership check: a request naming a session, or a revocation of one, is its owner's."""
         if peer.operator:
             return
-        if isinstance(request, self.OPERATOR_ONLY) or (isinstance(request, p.OutboxRequest | p.ListCallsRequest)
-                                                       and request.session_id is None):
+        every_session = (isinstance(request, p.OutboxRequest | p.ListCallsRequest | p.ListRevocationsRequest)
+                         and request.session_id is None)
+        if isinstance(request, self.OPERATOR_ONLY) or every_session:
             raise Unauthorized(None, type(request).__name__)
         session_id = getattr(request, "session_id", None)
         if session_id is None and isinstance(revocation_id := getattr(request, "revocation_id", None), str):
@@ -195,6 +208,15 @@ class Service:
             return self.tools.get(tool).effect
         except UnknownTool:
             return None
+
+    def _reached(self, point: str) -> None:
+        if point in self.config.crash_at:
+            log.critical("crash_at %s: killing the daemon (fault injection)", point)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _holds_effects(self, session_id: str) -> bool:
+        row = self.sessions.get(session_id)
+        return row is not None and bool(row.hold_effects)
 
     def _live_snapshots(self, session_id: str) -> set[str]:
         return {c.snapshot_id for c in self.provenance.checkpoints(session_id) if c.snapshot_id}
@@ -291,8 +313,11 @@ class Service:
     def delete_snapshot(self, req: p.DeleteSnapshotRequest) -> p.DeleteSnapshotResponse:
         with self.sessions.lock(req.session_id):
             self.sessions.check_open(req.session_id)
-            self.sessions.delete(req.session_id, req.snapshot_id)
-        return p.DeleteSnapshotResponse(request_id=req.request_id, snapshot_id=req.snapshot_id)
+            broken = self.sessions.delete(req.session_id, req.snapshot_id, force=req.force)
+        if broken:
+            log.warning("snapshot %s of %s deleted by force: checkpoints %s can no longer restore files",
+                        req.snapshot_id, req.session_id, ", ".join(broken), extra={"session_id": req.session_id})
+        return p.DeleteSnapshotResponse(request_id=req.request_id, snapshot_id=req.snapshot_id, broken=broken)
 
     # The outside world ---------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from sandboxd.errors import (
     SandboxUnavailable,
     SessionClosed,
     SnapshotFailed,
+    SnapshotInUse,
     SnapshotNotFound,
     UnknownSession,
 )
@@ -60,6 +61,9 @@ class SessionRow(msgspec.Struct, kw_only=True):
     """Closed by the daemon after this long without a request naming it."""
     ttl_s: float | None = None
     """Closed by the daemon this long after it opened."""
+    forked_from: str | None = None
+    hold_effects: int = 0
+    """1: every external call of the session is held for release (a fork's, unless started with live effects)."""
 
     def info(self) -> p.SessionInfo:
         return p.SessionInfo(session_id=self.session_id, image=self.image,
@@ -194,6 +198,43 @@ class Sessions:
             self.update(session_id, state="open", container_id=container_id)
         return self.known(session_id)
 
+    def open_fork(self, parent: SessionRow, snapshots: list[str], at: str, hold_effects: bool) -> tuple[
+            SessionRow, dict[str, str]]:
+        """A new session, still `opening`, whose store holds copies of the parent's `snapshots` (under new ids,
+        returned old -> new) and whose sandbox runs on the files of snapshot `at`. The caller records the rest
+        and opens it in one transaction; a crash before leaves an `opening` session, torn down at start-up."""
+        session_id = "s-" + uuid.uuid4().hex[:12]
+        renamed = {old: "snap-" + uuid.uuid4().hex[:12] for old in snapshots}
+        with self.db.transaction():
+            self.db.insert("sessions", SessionRow(session_id=session_id, image=parent.image, state="opening",
+                                                  created_at=time.time(), owner=parent.owner,
+                                                  forked_from=parent.session_id, hold_effects=int(hold_effects)))
+        try:
+            root = self.store.create(session_id, self.sandbox.owner())
+            self.store.clone(parent.session_id, session_id, renamed)
+            self.store.restore(session_id, renamed[at])
+            container_id = self.sandbox.create(session_id, parent.image, root, self.store.propagation)
+        except BaseException:
+            self.teardown(session_id)
+            self.update(session_id, state="failed", closed_at=time.time())
+            raise
+        with self.db.transaction():
+            for old, new in renamed.items():
+                origin = self.own_snapshot(parent.session_id, old)
+                self.db.insert("snapshots", msgspec.structs.replace(origin, snapshot_id=new, session_id=session_id))
+            self.db.update("sessions", {"session_id": session_id}, container_id=container_id,
+                           env_snapshot=renamed[at])
+        return self.known(session_id), renamed
+
+    def stop_all(self) -> None:
+        """A daemon stopping: every sandbox stops and every mount goes; start-up brings them back."""
+        for row in self.in_states(("open",)):
+            try:
+                self.sandbox.stop(row.session_id)
+            except Exception:  # noqa: BLE001 - the engine may be gone too; start-up recovers either way
+                log.warning("could not stop the sandbox of %s", row.session_id, exc_info=True)
+        self.store.detach()
+
     def teardown(self, session_id: str) -> None:
         """Remove the session's sandbox and snapshot store (its rows stay)."""
         self.sandbox.remove(session_id)
@@ -282,14 +323,29 @@ class Sessions:
             raise SnapshotNotFound(snapshot_id, session_id)
         return row
 
-    def delete(self, session_id: str, snapshot_id: str) -> None:
+    def delete(self, session_id: str, snapshot_id: str, force: bool = True) -> list[str]:
+        """Delete a snapshot; one that live checkpoints refer to only with `force`. Returns those checkpoints."""
         self.own_snapshot(session_id, snapshot_id)
+        broken = self.checkpoints_on(session_id, snapshot_id)
+        if broken and not force:
+            raise SnapshotInUse(snapshot_id, broken)
+        # Checkpoints that refer to it keep the id: splicing there then fails with snapshot_not_found, rather
+        # than going on with files that are not the checkpoint's.
         try:
             self.store.delete(session_id, snapshot_id)
         except UnknownSnapshot:
             pass  # a crash between store and state already removed the files
         with self.db.transaction():
             self.db.execute("DELETE FROM snapshots WHERE snapshot_id = ?", [snapshot_id])
+            self.db.execute("UPDATE sessions SET env_snapshot = NULL WHERE session_id = ? AND env_snapshot = ?",
+                            [session_id, snapshot_id])
+        return broken
+
+    def checkpoints_on(self, session_id: str, snapshot_id: str) -> list[str]:
+        """The checkpoints (of any branch) that restore the files of this snapshot."""
+        return [str(r["checkpoint_id"]) for r in self.db.rows(
+            "SELECT checkpoint_id FROM prov_checkpoints WHERE session_id = ? AND snapshot_id = ? ORDER BY rowid",
+            [session_id, snapshot_id])]
 
     def drop_checkpoint_snapshots(self, session_id: str, keep: set[str]) -> None:
         """Delete checkpoint snapshots no remaining checkpoint refers to (an old suffix's)."""
@@ -301,16 +357,21 @@ class Sessions:
     # The branch participant that holds the sandbox's files --------------------------------------
 
     def begin(self, branch: Branch) -> None:
-        """The sandbox goes back to the splice checkpoint's snapshot (the caller holds the session lock)."""
-        if branch.splice.snapshot_id:
+        """A replay's sandbox goes back to the splice checkpoint's snapshot (the caller holds the session lock).
+
+        A rollback's waits for its commit: until the operation commits, a crash must find the files as they
+        were, and once it is committing it is finished after a crash, the restore with it."""
+        if branch.kind == "replay" and branch.splice.snapshot_id:
             self.restore(branch.session_id, branch.splice.snapshot_id)
 
     def commit(self, branch: Branch) -> dict[str, Any]:
         """The old suffix's checkpoint snapshots go, and their blocks leave the session's disk image."""
         if self.get(branch.session_id) is not None and self.known(branch.session_id).state == "open":
+            if branch.kind == "rollback" and branch.splice.snapshot_id:
+                self.restore(branch.session_id, branch.splice.snapshot_id)  # again after a crash: same files
             self.drop_checkpoint_snapshots(branch.session_id, self.live_snapshots(branch.session_id))
             self.store.trim(branch.session_id)
-        return {}
+        return {"files_restored": branch.splice.snapshot_id} if branch.kind == "rollback" else {}
 
     def abandon(self, branch: Branch) -> None:
         """The sandbox goes back to where the live branch left it (its latest checkpoint's snapshot)."""
@@ -341,6 +402,7 @@ class Sessions:
         for workspace in set(self.store.workspaces()) - live:
             log.warning("removing orphaned workspace %s", workspace)
             self.store.destroy(workspace)
+        self.store.sweep(live)
         return live
 
     def _recover(self, row: SessionRow) -> None:

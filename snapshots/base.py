@@ -131,3 +131,15 @@ class SnapshotStore(abc.ABC):
 
     def release(self) -> None:  # noqa: B027 - optional hook, most backends set nothing up
         """Undo host-level set-up (mounts) once no workspace is left; a no-op by default."""
+
+    def detach(self) -> None:  # noqa: B027 - optional hook, most backends mount nothing
+        """Take down every mount the store made, workspaces' included (a daemon stopping); `recover` of each
+        workspace mounts it again. A no-op by default."""
+
+    def sweep(self, keep: set[str]) -> None:  # noqa: B027 - optional hook
+        """Remove what a killed predecessor left on the host (mounts, mount points) for workspaces not in
+        `keep`, beyond what `destroy` of the workspaces it lists reaches. A no-op by default."""
+
+    def clone(self, source: str, target: str, snapshots: dict[str, str]) -> None:
+        """Copy snapshots of workspace `source` into workspace `target`, each under its new id (old -> new)."""
+        raise SnapshotError(f"{type(self).__name__} cannot copy snapshots between workspaces")

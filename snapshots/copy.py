@@ -115,6 +115,18 @@ class CopySnapshotStore(SnapshotStore):
     def workspaces(self) -> builtins.list[str]:
         return sorted(p.name for p in self.copies.iterdir() if p.is_dir())
 
+    def clone(self, source: str, target: str, snapshots: dict[str, str]) -> None:
+        for old, new in snapshots.items():
+            check_name("snapshot", new)
+            origin = self._existing(source, old)
+            with open(origin.with_name(old + ".json")) as fh:
+                created_at = json.load(fh)["created_at"]
+            partial = self._dir(target) / (new + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            _copy_tree(origin, partial)
+            write_json_atomic(partial.with_name(new + ".json"), {"snapshot_id": new, "created_at": created_at})
+            os.rename(partial, partial.with_name(new))
+
     def _existing(self, workspace: str, snapshot_id: str) -> Path:
         path = self._dir(workspace) / check_name("snapshot", snapshot_id)
         if not path.is_dir():

@@ -198,6 +198,44 @@ class OverlaySnapshotStore(SnapshotStore):
         if not self.workspaces():
             _umount(str(self.mounts))
 
+    def detach(self) -> None:
+        """Every mount under the store's root, deepest first: workspaces, quota images, the shared bind."""
+        for point in sorted((p for p in _mountpoints() if p == str(self.root) or p.startswith(f"{self.root}/")),
+                            key=len, reverse=True):
+            _umount(point)
+
+    def sweep(self, keep: set[str]) -> None:
+        """Mounts and mount points of workspaces that are gone (a predecessor killed inside `destroy`)."""
+        held = set(self.workspaces()) | keep
+        for base in (self.mounts, self.layers):
+            for point in sorted((p for p in _mountpoints() if p.startswith(f"{base}/")), key=len, reverse=True):
+                name = Path(point).relative_to(base).parts[0].lstrip(".").removesuffix(".img")
+                if name not in held:
+                    _umount(point)
+        for entry in self.mounts.iterdir():
+            if entry.is_dir() and entry.name not in held and str(entry) not in _mountpoints():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def clone(self, source: str, target: str, snapshots: dict[str, str]) -> None:
+        """Copy each snapshot's layers (once each; layers are immutable) and write its record under its new id."""
+        src, dst = self._dir(source), self._dir(target)
+        for old, new in snapshots.items():
+            check_name("snapshot", new)
+            record = self._record(source, old)
+            for layer in record.layers:
+                if (dst / layer).exists():
+                    continue  # an empty base, or a layer an earlier snapshot shares
+                partial = dst / f"clone-{layer}"
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir()
+                subprocess.run(["cp", "-a", f"{src / layer}/.", str(partial)], check=True)
+                st = os.stat(src / layer)
+                os.chown(partial, st.st_uid, st.st_gid)
+                os.chmod(partial, st.st_mode & 0o7777)
+                os.rename(partial, dst / layer)
+            write_json_atomic(self._records(target) / f"{new}.json", _record_json(SnapshotRecord(
+                snapshot_id=new, workspace=target, created_at=record.created_at, layers=record.layers)))
+
     def recover(self, workspace: str) -> None:
         """Settle an interrupted take or restore, then make sure the workspace is mounted."""
         d = self._dir(workspace)

@@ -79,6 +79,11 @@ class EffectAdapter(abc.ABC):
         """`fire`, for adapters whose effect depends on the calling session, its branch or its virtual clock."""
         return self.fire(args, call_id)
 
+    def compensate(self, args: dict[str, Any], call_id: str, compensation_id: str) -> dict[str, Any]:
+        """Run the compensating action the manifest declares for the fired call `call_id` (its `args`);
+        raise EffectNotDelivered/OutcomeUnknown like `fire`. Only called when `manifest.compensation` is set."""
+        raise EffectNotDelivered(f"{self.manifest.name} declares no compensating action")
+
     def shadow(self, session_id: str, branch: str, clock: float | None, args: dict[str, Any]) -> dict[str, Any] | None:
         """A replay's call that did not fire (answered from the ledger, or staged): a simulated world
         the adapter holds takes its effect in the branch's shadow and its answer is returned, shaped
@@ -379,8 +384,20 @@ class WebhookAdapter(EffectAdapter):
 
     def __init__(self, config: WebhookConfig, sender: HttpSender) -> None:
         self._url = httpx.URL(config.url)
+        self._undo = httpx.URL(config.undo_url) if config.undo_url else None
         self._sender = sender
         self.timeout_s = sender.timeout_s
+        if config.undo_url:
+            self.manifest = msgspec.structs.replace(
+                WEBHOOK, compensation=f'POST {{"undo": CALL_ID, "body": BODY}} to {config.undo_url}')
+
+    def compensate(self, args: dict[str, Any], call_id: str, compensation_id: str) -> dict[str, Any]:
+        """POST the undo of one fired call; its Idempotency-Key is the compensation's own ledger id."""
+        if self._undo is None:
+            return super().compensate(args, call_id, compensation_id)
+        headers = {"Content-Type": "application/json", "Idempotency-Key": compensation_id}
+        return self._sender.send("POST", self._undo, msgspec.json.encode({"undo": call_id, "body": args["body"]}),
+                                 headers)
 
     def target(self, args: dict[str, Any]) -> str:
         return f"POST {self._url}"

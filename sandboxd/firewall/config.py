@@ -106,10 +106,16 @@ class WebhookConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Where `webhook` posts."""
 
     url: Annotated[str, msgspec.Meta(description="The http(s) URL every webhook call is POSTed to.")]
+    undo_url: Annotated[
+        str | None,
+        msgspec.Meta(description="The compensating action: where a rollback's orphaned webhook call is undone "
+                                 "(POST {\"undo\": CALL_ID, \"body\": BODY}); None: webhooks cannot be compensated."),
+    ] = None
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"webhook url {self.url!r} must be http:// or https://")
+        for url in (self.url, self.undo_url or "http://"):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"webhook url {url!r} must be http:// or https://")
 
 
 class FirewallConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -26,7 +26,8 @@ class FirewallHandlers:
     """Handlers for the firewall's requests, dispatched by the service."""
 
     def __init__(self, firewall: Firewall, check_open: Callable[[str], object], known: Callable[[str], Any],
-                 sandbox_calls: Callable[[str | None], list[p.LedgerCall]]) -> None:
+                 sandbox_calls: Callable[[str | None], list[p.LedgerCall]],
+                 holds_effects: Callable[[str], bool] = lambda _sid: False) -> None:
         self.firewall = firewall
         self.check_open = check_open
         self.known = known
@@ -35,6 +36,8 @@ class FirewallHandlers:
         """A session's sandbox calls; None: every session's."""
         ledger = firewall.ledger
         self.describe = Describer(firewall.target, ledger.decisions, ledger.agent_ids)
+        self.holds_effects = holds_effects
+        """Whether a session's effects are all held for release (a fork's, by default)."""
 
     def handlers(self) -> dict[type[Any], Callable[[Any], p.Response]]:
         """Request type -> handler, for the service's dispatch table."""
@@ -43,6 +46,7 @@ class FirewallHandlers:
             p.DropTurnRequest: self.drop_turn,
             p.ListCallsRequest: self.list_calls,
             p.OutboxRequest: self.outbox,
+            p.CompensateRequest: self.compensate,
         }
 
     def peer_handlers(self) -> dict[type[Any], Callable[[Any, Peer], p.Response]]:
@@ -59,7 +63,8 @@ class FirewallHandlers:
     def call(self, req: p.CallRequest, lineage: str) -> p.CallResult:
         """An external (or http_get) call, through the ledger."""
         outcome = self.firewall.call(req.session_id, lineage, req.tool, req.args, call_id=req.call_id,
-                                     mode=req.mode, turn=req.turn, clock=req.clock, branch=req.branch)
+                                     mode=req.mode, turn=req.turn, clock=req.clock, branch=req.branch,
+                                     hold=self.holds_effects(req.session_id))
         return call_result(outcome)
 
     def commit_turn(self, req: p.CommitTurnRequest) -> p.CommitTurnResponse:
@@ -74,7 +79,7 @@ class FirewallHandlers:
     def list_calls(self, req: p.ListCallsRequest) -> p.ListCallsResponse:
         if req.session_id is not None:
             self.known(req.session_id)
-            records = self.firewall.calls(req.session_id)
+            records = self.firewall.calls(req.session_id) + self.firewall.compensator.of_session(req.session_id)
         else:
             records = self.firewall.ledger.in_states(get_args(CallState))
         calls = self.sandbox_calls(req.session_id) + [ledger_call(record) for record in records]
@@ -110,6 +115,10 @@ class FirewallHandlers:
         self.firewall.drop(req.call_id, actor=peer.key, reason=req.reason)
         return p.DropCallResponse(request_id=req.request_id, call_id=req.call_id)
 
+    def compensate(self, req: p.CompensateRequest) -> p.CompensateResponse:
+        return p.CompensateResponse(request_id=req.request_id, call_id=req.call_id,
+                                    result=call_result(self.firewall.compensate(req.call_id)))
+
     def resolve(self, req: p.ResolveCallRequest, peer: Peer) -> p.ResolveCallResponse:
         record = self.firewall.resolve(req.call_id, req.outcome, req.result, actor=peer.key, reason=req.reason)
         return p.ResolveCallResponse(request_id=req.request_id, call=self.describe.calls([ledger_call(record)])[0])
@@ -127,7 +136,9 @@ class FirewallParticipant:
         self.firewall = firewall
 
     def begin(self, branch: Branch) -> None:
-        self.firewall.begin_replay(branch.id, branch.session_id, from_turn=branch.from_turn)
+        # A replay re-decides whole turns; a rollback keeps exactly what was reached before its point.
+        until = branch.splice.created_at if branch.kind == "rollback" else None
+        self.firewall.begin_replay(branch.id, branch.session_id, from_turn=branch.from_turn, until=until)
 
     def commit(self, branch: Branch) -> dict[str, Any]:
         """Orphaned, dropped, unresolved, staged and held calls of the replay (nothing once it is live)."""

@@ -237,6 +237,12 @@ class Ledger:
         )
         return [_record(row) for row in rows]
 
+    def of_session_like(self, session_id: str, pattern: str) -> list[CallRecord]:
+        """A session's calls whose id matches a LIKE pattern (its compensations: `cmp-%`), oldest first."""
+        rows = self._rows("SELECT * FROM ledger_calls WHERE session_id = ? AND call_id LIKE ? ORDER BY created_at",
+                          [session_id, pattern])
+        return [_record(row) for row in rows]
+
     def in_states(self, states: Iterable[CallState]) -> list[CallRecord]:
         """Every call currently in one of `states`."""
         wanted = list(states)
@@ -248,7 +254,8 @@ class Ledger:
         """Calls of a session that fired more than once without a certain failure in between (must be 0)."""
         rows = self._rows(
             """SELECT e.call_id,
-                      SUM(e.to_state = 'fired') - SUM(e.from_state = 'fired' AND e.to_state = 'failed') AS live
+                      SUM(e.to_state = 'fired') - SUM(e.from_state = 'fired' AND e.to_state = 'failed')
+                      - SUM(e.note = 'reached again after its compensation') AS live
                FROM ledger_events e JOIN ledger_calls c ON c.call_id = e.call_id
                WHERE c.session_id = ? GROUP BY e.call_id HAVING live > 1""",
             [session_id],
@@ -423,6 +430,30 @@ class Ledger:
             [branch, branch, parent],
         )
         return int(cursor.rowcount)
+
+    def inherit_until(self, parent: str, branch: str, at: float, session_id: str | None = None) -> int:
+        """Copy the parent's calls reached at or before `at` into `branch` as reached (a rollback or a fork
+        keeps what happened before its point); with `session_id`, as reached by that session (a fork)."""
+        cursor = self._db.execute(
+            "INSERT INTO ledger_reached (branch, call_id, lineage, session_id, intent_key, occurrence, "
+            "turn, reached_at) SELECT ?, call_id, lineage, COALESCE(?, session_id), intent_key, occurrence, turn, "
+            "reached_at FROM ledger_reached WHERE branch = ? AND reached_at <= ?",
+            [branch, session_id, parent, at],
+        )
+        self._db.execute(
+            "INSERT INTO ledger_aliases (branch, agent_call_id, call_id) SELECT ?, a.agent_call_id, "
+            "a.call_id FROM ledger_aliases a JOIN ledger_reached r ON r.call_id = a.call_id "
+            "AND r.branch = ? WHERE a.branch = ?",
+            [branch, branch, parent],
+        )
+        return int(cursor.rowcount)
+
+    def reached_after(self, branch: str, at: float) -> list[CallRecord]:
+        """Calls `branch` reached after `at`, in the order reached."""
+        rows = self._rows(
+            "SELECT c.* FROM ledger_reached r JOIN ledger_calls c ON c.call_id = r.call_id "
+            "WHERE r.branch = ? AND r.reached_at > ? ORDER BY r.reached_at, r.rowid", [branch, at])
+        return [_record(row) for row in rows]
 
     def unreached(self, parent: str, branch: str, states: Iterable[CallState]) -> list[CallRecord]:
         """Calls the parent reached, now in one of `states`, that `branch` did not reach."""

@@ -63,6 +63,7 @@ from sandboxd.errors import (
     UnknownTool,
 )
 from sandboxd.firewall.adapters import EffectAdapter, EffectNotDelivered, EffectOutcomeUnknown, build_adapters
+from sandboxd.firewall.compensation import Compensator
 from sandboxd.firewall.config import FirewallConfig
 from sandboxd.firewall.intent import derive_call_id, intent_key
 from sandboxd.firewall.ledger import IN_FLIGHT_STATES, Branch, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
@@ -180,6 +181,7 @@ class Firewall:
         self._in_flight: set[str] = set()  # ids this process is firing right now; guarded by `lock`
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
+        self.compensator = Compensator(self._ledger, self._adapter, db.lock)
 
     @property
     def ledger(self) -> Ledger:
@@ -210,10 +212,12 @@ class Firewall:
         turn: int | None = None,
         clock: float | None = None,
         branch: str = "",
+        hold: bool = False,
     ) -> FirewallResult:
         """Run one call through the firewall: validate, record, then fire, answer, hold or shadow it.
 
-        `branch` names the agent's replay branch, for adapters that hold a shadow world for it.
+        `branch` names the agent's replay branch, for adapters that hold a shadow world for it. With `hold`
+        (a fork's session) what would fire at once is held for an operator instead.
         """
         try:
             adapter = self._adapter(tool)
@@ -221,7 +225,7 @@ class Firewall:
             adapter.check_session(session_id)
             if adapter.manifest.effect != "external":
                 return self._read(adapter, session_id, clock, args, call_id, branch)
-            ask = self._ask(adapter, session_id, lineage, args, call_id, mode, turn, clock)
+            ask = self._ask(adapter, session_id, lineage, args, call_id, mode, turn, clock, hold)
             plan = self._plan(ask)
             outcome = self._carry_out(plan, adapter, ask)
             # Live, this call would have reached the world at once; held, it would not have yet. A retry
@@ -260,11 +264,14 @@ class Firewall:
         mode: Mode,
         turn: int | None,
         clock: float | None = None,
+        hold: bool = False,
     ) -> _Ask:
         tool = adapter.manifest.name
         if mode not in ("live", "shadow"):
             raise InvalidArguments(tool, f"mode must be live or shadow, not {mode!r}", "mode")
         configured = self._config.policy(tool)
+        if hold and configured == "immediate":
+            configured = "manual"
         # A replay never fires a new call: what would have fired at once is staged for an operator.
         policy = "shadow" if mode == "shadow" and configured == "immediate" else configured
         if policy == "on_commit" and turn is None:
@@ -323,7 +330,9 @@ class Firewall:
 
     def _decide(self, ask: _Ask, branch: str, record: CallRecord, is_new: bool) -> _Plan:
         call_id, state = record.call_id, record.state
-        if not is_new:
+        # An orphaned effect an operator compensated is undone: reached again, it is made again.
+        undone = state == "orphaned" and not is_new and self.compensator.undone(call_id)
+        if not is_new and not undone:
             if state in ("done", "orphaned"):
                 if state == "orphaned":
                     self._ledger.transition(call_id, "done", ("orphaned",), note="reached again")
@@ -339,7 +348,8 @@ class Firewall:
         if is_new:
             self._ledger.insert_call(msgspec.structs.replace(record, state=target, policy=ask.policy))
         else:
-            self._ledger.transition(call_id, target, _RETRYABLE, note="reached again", policy=ask.policy)
+            note = "reached again after its compensation" if undone else "reached again"
+            self._ledger.transition(call_id, target, (*_RETRYABLE, "orphaned"), note=note, policy=ask.policy)
             self._ledger.set_simulated(call_id, None)
         if target == "intent":
             return _Plan("fire", record)
@@ -633,14 +643,37 @@ class Firewall:
         self.begin_replay(branch, lineage, from_turn)
         return branch
 
-    def begin_replay(self, branch: str, lineage: str, from_turn: int | None = None) -> None:
+    def begin_replay(self, branch: str, lineage: str, from_turn: int | None = None,
+                     until: float | None = None) -> None:
         """Make the open branch operation `branch` a replay of the lineage's live branch: shadow calls count
-        there. With `from_turn`, the calls of earlier turns count as reached (they are not replayed)."""
+        there. With `from_turn`, the calls of earlier turns count as reached (they are not replayed); with
+        `until` (a rollback), the calls reached up to that instant do."""
         with self._ledger.transaction():
             parent = self._live_branch(lineage)
             self._ledger.attach_replay(branch, parent, from_turn if from_turn is not None else 0)
-            if from_turn is not None:
+            if until is not None:
+                self._ledger.inherit_until(parent, branch, until)
+            elif from_turn is not None:
                 self._ledger.inherit_prefix(parent, branch, from_turn)
+
+    def after_point(self, lineage: str, at: float) -> list[CallRecord]:
+        """The calls the lineage's live branch reached after instant `at` (what a rollback to it passes over)."""
+        live = self._ledger.branch_with_status(lineage, "live")
+        return [] if live is None else self._ledger.reached_after(live.branch, at)
+
+    def fork_ledger(self, lineage: str, child: str, at: float) -> int:
+        """Start the child lineage's live branch from the calls `lineage` reached up to `at` (inside a
+        transaction); returns how many it inherited. Retried in the fork, they are answered, never fired."""
+        live = self._ledger.branch_with_status(lineage, "live")
+        branch = self._ledger.create_branch(child, live.branch if live else None, "live", None)
+        return 0 if live is None else self._ledger.inherit_until(live.branch, branch, at, session_id=child)
+
+    def compensate(self, call_id: str) -> FirewallResult:
+        """Run the declared compensation of an orphaned call, at most once (see `sandboxd.firewall.compensation`)."""
+        record, ran = self.compensator.run(call_id)
+        self._count("compensated" if ran else "deduplicated")
+        return FirewallResult(call_id=record.call_id, tool=record.tool, state=record.state, result=record.result,
+                              deduplicated=not ran, occurrence=record.occurrence)
 
     def finish_replay(self, branch: str, commit: bool) -> ReplayReport:
         """Commit a replay branch (it becomes live; unreached fired calls are orphaned) or abandon it."""

@@ -48,7 +48,10 @@ class ProvenanceHandlers:
             self.sessions.check_open(req.session_id)
             snapshot_id = self.sessions.current(req.session_id) if req.snapshot else None
         record = msgspec.structs.replace(req.checkpoint, snapshot_id=snapshot_id, created_at=time.time())
-        self.store.add_checkpoint(req.session_id, record, branch=req.branch)
+        if not self.store.add_checkpoint(req.session_id, record, branch=req.branch):
+            kept = self.store.checkpoint(req.session_id, record.checkpoint_id, req.branch)
+            assert kept is not None
+            return p.CheckpointResponse(request_id=req.request_id, checkpoint=kept)
         self.on_checkpoint(req.session_id, record.checkpoint_id, req.branch)
         return p.CheckpointResponse(request_id=req.request_id, checkpoint=record)
 

@@ -78,17 +78,34 @@ class ProvenanceStore:
                           [session_id, branch, artifact_id])
         return rows[0] if rows else None
 
-    def add_checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = LIVE) -> None:
-        """Store a checkpoint, remembering how many artifacts existed when it was taken."""
+    def add_checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = LIVE) -> bool:
+        """Store a checkpoint, remembering how many artifacts existed when it was taken; False when the very same
+        position is registered again (an agent resumed from it after a rollback), which keeps the first."""
         with self.db.transaction():
-            if self._rows("SELECT 1 FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
-                          [session_id, branch, checkpoint.checkpoint_id]):
+            same = self._rows("SELECT step, turn, token_offset FROM prov_checkpoints WHERE session_id = ? AND "
+                              "branch = ? AND checkpoint_id = ?", [session_id, branch, checkpoint.checkpoint_id])
+            position = (checkpoint.step, checkpoint.turn, checkpoint.token_offset)
+            cid = checkpoint.checkpoint_id
+            unmoved = self._next_seq(session_id) - 1 == self._checkpoint_seq(session_id, branch, cid)
+            if same and (same[0]["step"], same[0]["turn"], same[0]["token_offset"]) == position and unmoved:
+                return False
+            if same:
                 raise InvalidArguments("checkpoint", f"checkpoint {checkpoint.checkpoint_id} already exists",
                                        "$.checkpoint.checkpoint_id")
             row = msgspec.to_builtins(checkpoint)
             row.update(session_id=session_id, manifest=json.dumps(checkpoint.manifest),
                        artifact_seq=self._next_seq(session_id) - 1, branch=branch)
             self.db.insert("prov_checkpoints", row)
+        return True
+
+    def _checkpoint_seq(self, session_id: str, branch: str, checkpoint_id: str) -> int:
+        return int(self.db.value("SELECT artifact_seq FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND "
+                                 "checkpoint_id = ?", [session_id, branch, checkpoint_id]) or 0)
+
+    def checkpoint(self, session_id: str, checkpoint_id: str, branch: str = LIVE) -> p.CheckpointRecord | None:
+        rows = self._rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
+                          [session_id, branch, checkpoint_id])
+        return _checkpoint(rows[0]) if rows else None
 
     # Queries -----------------------------------------------------------------------------------
 
@@ -182,8 +199,7 @@ class ProvenanceStore:
 
         Bounded on both sides, so repeating it after a crash never touches what the branch brought."""
         with self.db.transaction():
-            cut = self._rows("SELECT artifact_seq, rowid FROM prov_checkpoints WHERE session_id = ? AND branch = ? "
-                             "AND checkpoint_id = ?", [session_id, LIVE, splice.checkpoint_id])[0]
+            cut = self._cut(session_id, splice)
             later = [r["artifact_id"] for r in self._rows(
                 "SELECT artifact_id FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ? AND seq <= ?",
                 [session_id, LIVE, cut["artifact_seq"], old_end[0]])]
@@ -202,6 +218,45 @@ class ProvenanceStore:
             for table in _TABLES:
                 self.db.execute(f"UPDATE {table} SET branch = ? WHERE session_id = ? AND branch = ?",
                                 [LIVE, session_id, branch])
+
+    def _cut(self, session_id: str, splice: p.CheckpointRecord) -> dict[str, Any]:
+        """Where the live session is cut at `splice`: its artifact seq and checkpoint rowid (0, 0 for a point
+        before the first checkpoint: a rollback to a snapshot taken before any)."""
+        rows = self._rows("SELECT artifact_seq, rowid FROM prov_checkpoints WHERE session_id = ? AND branch = ? "
+                          "AND checkpoint_id = ?", [session_id, LIVE, splice.checkpoint_id])
+        return rows[0] if rows else {"artifact_seq": 0, "rowid": 0}
+
+    def after(self, session_id: str, splice: p.CheckpointRecord) -> tuple[int, int]:
+        """(artifacts, checkpoints) of the live session after `splice`: what a rollback to it removes."""
+        cut = self._cut(session_id, splice)
+        row = self._rows(
+            "SELECT (SELECT COUNT(*) FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ?) AS a, "
+            "(SELECT COUNT(*) FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid > ?) AS c",
+            [session_id, LIVE, cut["artifact_seq"], session_id, LIVE, cut["rowid"]])[0]
+        return int(row["a"]), int(row["c"])
+
+    def copy_to(self, session_id: str, child: str, splice: p.CheckpointRecord, snapshots: dict[str, str]) -> tuple[
+            int, int]:
+        """Copy the live session up to `splice` (its artifacts, edges and checkpoints) to the session `child`
+        (inside a transaction); checkpoints' snapshots are renamed by `snapshots`. Returns (artifacts,
+        checkpoints) copied."""
+        cut = self._cut(session_id, splice)
+        artifacts = self.db.execute(
+            "INSERT INTO prov_artifacts (session_id, artifact_id, seq, type, turn, step, token_start, token_end, "
+            "committed, content, meta, source_ids, branch) SELECT ?, artifact_id, seq, type, turn, step, "
+            "token_start, token_end, committed, content, meta, source_ids, branch FROM prov_artifacts "
+            "WHERE session_id = ? AND branch = ? AND seq <= ?", [child, session_id, LIVE, cut["artifact_seq"]]).rowcount
+        self.db.execute(
+            "INSERT INTO prov_edges (session_id, branch, parent, child) SELECT ?, e.branch, e.parent, e.child "
+            "FROM prov_edges e JOIN prov_artifacts a ON a.session_id = ? AND a.branch = e.branch "
+            "AND a.artifact_id = e.child WHERE e.session_id = ? AND e.branch = ?", [child, child, session_id, LIVE])
+        checkpoints = 0
+        for row in self._rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid <= ? "
+                              "ORDER BY rowid", [session_id, LIVE, cut["rowid"]]):
+            row.update(session_id=child, snapshot_id=snapshots.get(row["snapshot_id"] or ""))
+            self.db.insert("prov_checkpoints", row)
+            checkpoints += 1
+        return int(artifacts), checkpoints
 
     # The branch participant --------------------------------------------------------------------
 

@@ -27,7 +27,15 @@ import msgspec
 from sandboxd import protocol as p
 from sandboxd.branch import Branch, Branches
 from sandboxd.db import Database
-from sandboxd.errors import InvalidState, NotFound
+from sandboxd.errors import (
+    InvalidState,
+    NotFound,
+    OperationRefused,
+    SandboxdError,
+    SandboxUnavailable,
+    SessionClosed,
+    UnknownSession,
+)
 from sandboxd.provenance.store import ProvenanceStore
 from sandboxd.revocation.erasure import MIN_NEEDLE_BYTES, scrub_database, scrub_log, target_filter
 from sandboxd.revocation.forgetting import ForgetFilter
@@ -69,6 +77,8 @@ class RevocationOperator:
             p.RevocationStatusRequest: self.records.status,
             p.BeginRevocationRequest: self.begin,
             p.CommitRevocationRequest: self.commit,
+            p.ListRevocationsRequest: self.records.list_all,
+            p.CancelRevocationRequest: self.records.cancel,
         }
 
     # Begin: forget, open the replay branch, hand over the plan ------------------------------------
@@ -76,17 +86,36 @@ class RevocationOperator:
     def begin(self, req: p.BeginRevocationRequest) -> p.BeginRevocationResponse:
         row = self.records.get(req.revocation_id)
         if row.state not in ("pending", "taken"):
-            raise InvalidState(req.revocation_id, row.state, "pending")
+            raise OperationRefused(f"revocation {req.revocation_id} is {row.state}, not pending"
+                                   + (f": {row.error}" if row.error else ""), revocation_id=req.revocation_id,
+                                   state=row.state)
+        try:
+            return self._begin(req, row)
+        except (SandboxUnavailable, SessionClosed, UnknownSession):
+            raise  # the sandbox or the session, not the revocation: it may be taken again
+        except SandboxdError as exc:
+            # One revocation that cannot be replayed must not stand in front of the others (they are taken
+            # oldest first): it fails, with its reason, and the next one is taken.
+            self.records.settle(req.revocation_id, "failed", f"{exc.code.value}: {exc.message}")
+            log.warning("revocation %s failed: %s", req.revocation_id, exc, extra={"session_id": row.session_id})
+            raise
+
+    def _begin(self, req: p.BeginRevocationRequest, row: RevocationRow) -> p.BeginRevocationResponse:
         sid = row.session_id
         with self.sessions.lock(sid):
             self.sessions.check_open(sid)
             checkpoint = self._checkpoint(sid, row.checkpoint_id)
             if row.state == "taken":  # a replay that died with its agent: throw its branch away, start over
                 self._abandon(row)
-            else:
-                assert row.target is not None, f"pending revocation {row.revocation_id} lost its target"
-                self.forgotten.forget(sid, row.target, row.piece_list())
             branch = self.branches.open(sid, "replay", checkpoint)
+            if row.state == "pending":
+                # Only once the branch is open: a revocation that fails before it forgets nothing.
+                assert row.target is not None, f"pending revocation {row.revocation_id} lost its target"
+                try:
+                    self.forgotten.forget(sid, row.target, row.piece_list())
+                except BaseException:
+                    self.branches.abandon(branch)
+                    raise
             # The suffix may have grown since the event was raised: tau stays, the closure and T do not.
             closure = self.provenance.closure(sid, row.source)
             self.records.update(req.revocation_id, state="taken", branch=branch.id, started_at=time.time(),

@@ -20,7 +20,7 @@ import msgspec
 from sandboxd import protocol as p
 from sandboxd.branch import Branches
 from sandboxd.db import Database
-from sandboxd.errors import InvalidArguments, InvalidState, NotFound
+from sandboxd.errors import InvalidArguments, NotFound, OperationRefused
 from sandboxd.provenance.store import ProvenanceStore
 from sandboxd.revocation.detector import InjectionDetector
 from sandboxd.revocation.erasure import target_filter
@@ -64,13 +64,14 @@ class Revocations:
 
     def __init__(self, db: Database, provenance: ProvenanceStore, branches: Branches, forgotten: Forgotten,
                  detector: InjectionDetector, check_open: Callable[[str], object],
-                 raised: Callable[[str, str, str], None]) -> None:
+                 raised: Callable[[str, str, str], None], known: Callable[[str], object] = lambda _sid: None) -> None:
         self.db = db
         self.provenance = provenance
         self.branches = branches
         self.forgotten = forgotten
         self.detector = detector
         self.check_open = check_open
+        self.known = known
         self.raised = raised
         """(session, revocation id, raised by): tell whoever waits for the session's events (and count it)."""
 
@@ -100,15 +101,15 @@ class Revocations:
                 state = " (was it revoked already?)" if self.forgotten.filter(session_id).holds(whole) else ""
                 raise InvalidArguments("revoke", f"the target does not occur in {source}, nor runs on from it "
                                        f"into the results that follow{state}", "$.target")
-        if self.waiting(session_id, whole):
-            raise InvalidState(source, "pending", "not yet revoked", "a revocation of this target is already pending")
+        self._refuse_repeat(session_id, source, target, whole)
         for earlier in self.provenance.observations_before(session_id, tau):
             if wanted.holds(earlier.content):
                 tau, checkpoint = earlier.step, self.provenance.checkpoint_before(session_id, earlier.step)
                 closure = sorted(set(closure) | set(self.provenance.closure(session_id, earlier.artifact_id)))
                 break
         if checkpoint is None:
-            raise InvalidState(source, "no checkpoint", "a checkpoint before the source was consumed")
+            raise OperationRefused(f"{source} entered before the session's first checkpoint: there is no point to "
+                                   "splice at", source=source)
         row = RevocationRow(revocation_id="rv-" + uuid.uuid4().hex[:12], session_id=session_id, source=source,
                             target=whole, pieces=json.dumps(pieces) if pieces else None, state="pending",
                             raised_by=raised_by, tau=tau, T=last, checkpoint_id=checkpoint.checkpoint_id,
@@ -119,6 +120,70 @@ class Revocations:
                  extra={"session_id": session_id})
         self.raised(session_id, row.revocation_id, raised_by)
         return self.info(row), closure, last
+
+    def _refuse_repeat(self, session_id: str, source: str, target: str | None, whole: str) -> None:
+        """Refuse, when it is raised, a revocation that could only fail or repeat one already made: a target
+        that cannot be fingerprinted, one already pending, one already forgotten, a source already revoked."""
+        try:
+            target_filter(whole, [], self.forgotten.salt)
+        except ValueError as exc:
+            raise InvalidArguments("revoke", f"nothing to revoke: {exc}", "$.target") from exc
+        for row in self._of(session_id, WAITING):
+            if row.target == whole or (target is None and row.source == source):
+                raise OperationRefused(f"{row.revocation_id} already revokes this {'target' if target else 'source'} "
+                                       f"and is {row.state}: cancel it first (sandboxd revocation cancel "
+                                       f"{row.revocation_id}) to raise it again", revocation_id=row.revocation_id)
+        if target is not None and self.forgotten.filter(session_id).holds(target):
+            raise OperationRefused("this target was revoked already: the session has forgotten it", source=source)
+        if target is None:
+            done = self.db.value("SELECT revocation_id FROM revocations WHERE session_id = ? AND source = ? AND "
+                                 "state = 'done' ORDER BY created_at DESC", [session_id, source])
+            if done is not None:
+                raise OperationRefused(f"{source} was revoked already by {done}: name a --target to forget something "
+                                       "else it holds", source=source, revocation_id=str(done))
+
+    def list_all(self, req: p.ListRevocationsRequest) -> p.ListRevocationsResponse:
+        """Every revocation of a session, or of every session, oldest first, with its state."""
+        if req.session_id is None:
+            rows = self.db.structs("SELECT * FROM revocations ORDER BY created_at", [], RevocationRow)
+        else:
+            self.known(req.session_id)
+            rows = self.db.structs("SELECT * FROM revocations WHERE session_id = ? ORDER BY created_at",
+                                   [req.session_id], RevocationRow)
+        return p.ListRevocationsResponse(request_id=req.request_id, revocations=[self.info(r) for r in rows])
+
+    def cancel(self, req: p.CancelRevocationRequest) -> p.CancelRevocationResponse:
+        """Cancel a pending revocation: its target is dropped from the record, nothing is forgotten."""
+        row = self.get(req.revocation_id)
+        if row.state != "pending":
+            why = {"taken": "an agent is replaying it now: it commits or, if the agent dies, is pending again",
+                   "done": "it is done: what it forgot stays forgotten",
+                   "failed": f"it failed already ({row.error})", "cancelled": "it was cancelled already"}
+            raise OperationRefused(f"revocation {row.revocation_id} cannot be cancelled: "
+                                   f"{why.get(row.state, row.state)}", revocation_id=row.revocation_id,
+                                   state=row.state)
+        reason = f"cancelled by an operator: {req.reason}" if req.reason else "cancelled by an operator"
+        self.settle(row.revocation_id, "cancelled", reason)
+        log.info("revocation %s of %s cancelled", row.revocation_id, row.session_id,
+                 extra={"session_id": row.session_id})
+        return p.CancelRevocationResponse(request_id=req.request_id, revocation=self.info(self.get(row.revocation_id)))
+
+    def settle(self, revocation_id: str, state: str, reason: str) -> None:
+        """End a revocation as failed or cancelled, with its reason; its target leaves the record for good."""
+        with self.db.transaction():
+            self.db.update("revocations", {"revocation_id": revocation_id}, state=state, error=reason, target=None,
+                           pieces=None)
+        self.db.purge()
+
+    def rolled_back(self, session_id: str, branch: str, gone: Callable[[RevocationRow], bool]) -> list[str]:
+        """Pending revocations whose source (or splice point) a rollback removed are cancelled; returns them."""
+        cancelled = []
+        for row in self._of(session_id, ("pending",)):
+            if gone(row):
+                self.settle(row.revocation_id, "cancelled", f"cancelled by rollback {branch}: its source or its "
+                            "splice point was rolled back, so nothing is left for it to forget")
+                cancelled.append(row.revocation_id)
+        return cancelled
 
     def _split_across(self, session_id: str, source: str, target: str, most: int = 4) -> list[str]:
         """The pieces of `target` if it starts in the source's last text and runs on through the texts of
@@ -196,4 +261,4 @@ class Revocations:
             state = {"open": "replaying", "committing": "committing"}.get(status, "committing")
         return p.RevocationInfo(revocation_id=row.revocation_id, session_id=row.session_id, source=row.source,
                                 state=state, raised_by=row.raised_by, tau=row.tau, checkpoint_id=row.checkpoint_id,
-                                branch=row.branch, error=row.error)
+                                branch=row.branch, error=row.error, created_at=row.created_at)

@@ -34,6 +34,10 @@ class Sandbox(Protocol):
         """Remove the session's sandbox; a missing one is fine."""
         ...
 
+    def stop(self, session_id: str) -> None:
+        """Stop the session's sandbox, keeping it (`ensure_running` starts it again); a missing one is fine."""
+        ...
+
     def ensure_running(self, session_id: str) -> bool:
         """Start (or restart) a sandbox that stopped or stopped answering; False when it no longer exists."""
         ...

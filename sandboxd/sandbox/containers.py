@@ -270,6 +270,16 @@ class ContainerManager:
             pass
         shutil.rmtree(self.ctl_root / session_id, ignore_errors=True)
 
+    def stop(self, session_id: str) -> None:
+        """Stop the container (its processes end); the next `ensure_running` starts it with fresh binds."""
+        with self._lock:
+            chan = self._channels.pop(session_id, None)
+        if chan is not None:
+            chan.close()
+        container = self.container(session_id)
+        if container is not None and container.status == "running":
+            container.stop(timeout=0)
+
     def container(self, session_id: str) -> Any:
         """The session's Docker container, or None."""
         try:
