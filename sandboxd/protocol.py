@@ -558,7 +558,7 @@ class Event(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Something a session's agent must react to: a revocation raised, a held call decided."""
 
     seq: Count
-    kind: Literal["revocation", "call"]
+    kind: Literal["revocation", "call", "artifact", "checkpoint", "snapshot"]
     subject: str
     """The revocation id, or the call id."""
 
