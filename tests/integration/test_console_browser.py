@@ -24,6 +24,7 @@ from sandboxd.launcher import DaemonProcess
 from tests.sinks import SmtpSink, free_port
 
 webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -177,8 +178,11 @@ def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
     assert shown == expected
     driver.save_screenshot(str(DOCS / "console-graph.png"))  # type: ignore[attr-defined]
     driver.find_element(By.ID, "revoke").click()  # type: ignore[attr-defined]
+    WebDriverWait(driver, 20).until(lambda d: "/revocations/" in d.current_url)
     rid = driver.current_url.rsplit("/", 1)[1]  # type: ignore[attr-defined]
-    assert driver.find_element(By.ID, "state").text == "pending"  # type: ignore[attr-defined]
+    assert client.revocation_status(rid).revocation.state == "pending"
+    WebDriverWait(driver, 20, ignored_exceptions=[StaleElementReferenceException]).until(
+        lambda d: d.find_element(By.ID, "state").text == "pending")
     # The agent's half, as an agent does it: take the revocation, replay nothing, commit.
     plan = client.begin_revocation(rid)
     client.commit_revocation(p.CommitRevocationRequest(
@@ -186,7 +190,8 @@ def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
         transitions_replayed=3, final_step=plan.checkpoint.step))
     report = client.revocation_status(rid).report
     assert report is not None
-    WebDriverWait(driver, 20).until(lambda d: d.find_elements(By.ID, "report"))
+    WebDriverWait(driver, 20, ignored_exceptions=[StaleElementReferenceException]).until(
+        lambda d: d.find_elements(By.ID, "report"))
     figures = {e.get_attribute("data-key"): e.text for e in driver.find_elements(  # type: ignore[attr-defined]
         By.CSS_SELECTOR, "#report .figure")}
     assert figures["tokens.recomputed"] == f"recomputed {report.tokens.recomputed}"
