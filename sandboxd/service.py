@@ -131,10 +131,11 @@ class Service:
         started = time.perf_counter()
         reply = self._serve(request, peer)
         self.metrics.observe(request, reply, time.perf_counter() - started)
-        if (kind := _ANNOUNCED.get(type(reply))) is not None and isinstance(sid := getattr(request, "session_id", None), str):
+        sid = getattr(request, "session_id", None)
+        if (kind := _ANNOUNCED.get(type(reply))) is not None and isinstance(sid, str):
             # Watchers of the session (the console's timeline) hear that something happened; what, they read.
-            self.events.publish(sid, kind, getattr(reply, "call_id", "") or getattr(
-                getattr(reply, "result", None), "call_id", "") or "")
+            result = getattr(reply, "result", None)
+            self.events.publish(sid, kind, getattr(result, "call_id", "") or "")
         return reply
 
     def _serve(self, request: p.Request, peer: Peer) -> p.Response:

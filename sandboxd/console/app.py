@@ -49,7 +49,7 @@ class Console:
     def client(self) -> Client:
         if getattr(self._local, "client", None) is None:
             self._local.client = self.make_client()
-        return self._local.client  # type: ignore[no-any-return]
+        return self._local.client
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await run_in_threadpool(fn, *args, **kwargs)
@@ -82,8 +82,8 @@ def build_app(console: Console) -> Starlette:
     async def login(request: Request) -> Response:
         if request.method == "POST":
             form = await request.form()
-            token = str(form.get("token", ""))
-            if not hmac.compare_digest(token, console.token):
+            given = str(form.get("token", ""))
+            if not hmac.compare_digest(given, console.token):
                 return console.page("login.html", error="wrong token")
             target = str(form.get("next") or "/")
             response = RedirectResponse(target if target.startswith("/") else "/", status_code=303)

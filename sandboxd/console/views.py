@@ -48,8 +48,9 @@ def timeline(client: Client, session_id: str) -> list[dict[str, Any]]:
                       "at": c.created_at, "args": json.dumps(c.args, indent=1, sort_keys=True)[:4000],
                       "result": json.dumps(c.result, indent=1, sort_keys=True)[:4000] if c.result else ""})
     for cp in graph.checkpoints:
+        snap_note = f", snapshot {cp.snapshot_id}" if cp.snapshot_id else ""
         items.append({"kind": "checkpoint", "id": cp.checkpoint_id, "turn": cp.turn, "at": cp.created_at,
-                      "text": f"{cp.reason}, step {cp.step}" + (f", snapshot {cp.snapshot_id}" if cp.snapshot_id else "")})
+                      "text": f"{cp.reason}, step {cp.step}{snap_note}"})
     for snap in client.snapshots(session_id):
         items.append({"kind": "snapshot", "id": snap.snapshot_id, "turn": None, "at": snap.created_at,
                       "text": snap.label or ""})
@@ -63,8 +64,8 @@ def approvals(client: Client, now: float) -> list[dict[str, Any]]:
     rows = []
     for h in client.outbox(None):
         target = h.args.get("to") or h.args.get("url") or ""
-        rows.append({"call_id": h.call_id, "session": h.session_id, "tool": h.tool, "state": getattr(h, "state", "held"),
-                     "policy": h.policy, "turn": h.turn, "age": _ago(now - h.held_at), "target": json.dumps(target),
+        rows.append({"call_id": h.call_id, "session": h.session_id, "tool": h.tool,
+                     "state": getattr(h, "state", "held"), "policy": h.policy, "turn": h.turn, "age": _ago(now - h.held_at), "target": json.dumps(target),
                      "payload": json.dumps(h.args, indent=2, sort_keys=True), "replay": h.replay})
     seen = {r["call_id"] for r in rows}
     for s in client.sessions():
@@ -98,7 +99,7 @@ def plots(client: Client) -> dict[str, str]:
     stamps = [c.created_at for s in client.sessions() for c in client.calls(s.session_id) if c.created_at]
     reports = []
     if hasattr(client, "revocations"):
-        for r in client.revocations():  # type: ignore[attr-defined]
+        for r in client.revocations():
             status = client.revocation_status(r["revocation_id"])
             if status.report is not None:
                 reports.append(status.report)

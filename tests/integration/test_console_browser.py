@@ -81,7 +81,8 @@ def login(driver: object, base: str, token: str) -> None:
     driver.get(f"{base}/login")  # type: ignore[attr-defined]
     driver.find_element(By.ID, "token").send_keys(token)  # type: ignore[attr-defined]
     driver.find_element(By.ID, "login").click()  # type: ignore[attr-defined]
-    WebDriverWait(driver, 10).until(lambda d: d.find_elements(By.ID, "sessions") or d.find_elements(By.ID, "login-error"))
+    WebDriverWait(driver, 10).until(
+        lambda d: d.find_elements(By.ID, "sessions") or d.find_elements(By.ID, "login-error"))
 
 
 def mail(i: int) -> dict[str, object]:
