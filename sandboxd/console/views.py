@@ -65,7 +65,8 @@ def approvals(client: Client, now: float) -> list[dict[str, Any]]:
     for h in client.outbox(None):
         target = h.args.get("to") or h.args.get("url") or ""
         rows.append({"call_id": h.call_id, "session": h.session_id, "tool": h.tool,
-                     "state": getattr(h, "state", "held"), "policy": h.policy, "turn": h.turn, "age": _ago(now - h.held_at), "target": json.dumps(target),
+                     "state": getattr(h, "state", "held"), "policy": h.policy, "turn": h.turn,
+                     "age": _ago(now - h.held_at), "target": json.dumps(target),
                      "payload": json.dumps(h.args, indent=2, sort_keys=True), "replay": h.replay})
     seen = {r["call_id"] for r in rows}
     for s in client.sessions():
