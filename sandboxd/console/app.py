@@ -145,7 +145,7 @@ def build_app(console: Console) -> Starlette:
         redact = {a.artifact_id for a in graph.artifacts if a.meta.get("redacted")} | (
             closure if request.query_params.get("redact") else set())
         svg = await console.call(render, graph.artifacts, graph.checkpoints, closure, "svg", source=source,
-                                 redact=redact)
+                                 redact=redact, lanes=True)
         return Response(svg, media_type="image/svg+xml")
 
     async def approvals_page(request: Request) -> Response:
