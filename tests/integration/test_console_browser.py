@@ -8,20 +8,19 @@ Screenshots go to docs/ for the README.
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from aiosmtpd.controller import Controller
 
 from sandboxd import protocol as p
 from sandboxd.client import Client
-from sandboxd.console.app import Console, build_app
+from sandboxd.console.app import Console
 from sandboxd.launcher import DaemonProcess
-from tests.sinks import SmtpSink, free_port
+from tests.browser import big_graph, chrome, serve_console
+from tests.sinks import SmtpSink
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
@@ -53,26 +52,13 @@ def firewalled(daemon_factory: Callable[..., DaemonProcess], smtp: SmtpSink, tmp
 @pytest.fixture
 def console(firewalled: DaemonProcess) -> Iterator[tuple[str, Console]]:
     app = Console(lambda: Client(firewalled.endpoint, timeout_s=60))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(app), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(10)
+    with serve_console(app) as base:
+        yield base, app
 
 
 @pytest.fixture
 def browser() -> Iterator[object]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=shutil.which("chromedriver")),
-                              options=options)
+    driver = chrome()
     yield driver
     driver.quit()
 
@@ -136,24 +122,6 @@ def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser
     assert smtp.count == 1 and b"pay invoice 1 today" in smtp.messages[0][2]
     states = {c.call_id: c.state for c in client.calls(sid)}
     assert states[kept.call_id] in ("done", "released") and states[gone.call_id] == "dropped"
-
-
-def big_graph(client: Client, sid: str, turns: int = 75) -> list[str]:
-    """A session of 4 artifacts per turn (300 in all) with a checkpoint per turn; returns the observation ids."""
-    arts, prev, observations = [p.Artifact(artifact_id="u0", type="user", content="the task")], "u0", []
-    for t in range(1, turns + 1):
-        arts += [p.Artifact(artifact_id=f"turn-{t}", type="model_turn", parents=[prev], turn=t, step=t - 1,
-                            content=f"I will look at item {t}"),
-                 p.Artifact(artifact_id=f"call-{t}", type="tool_call", parents=[f"turn-{t}"], turn=t, step=t - 1),
-                 p.Artifact(artifact_id=f"obs-{t}", type="observation", parents=[f"call-{t}"], turn=t, step=t,
-                            content=f"item {t} says hello"),
-                 p.Artifact(artifact_id=f"plan-{t}", type="plan", parents=[f"obs-{t}"], turn=t, step=t)]
-        prev = f"plan-{t}"
-        observations.append(f"obs-{t}")
-    client.record_artifacts(sid, arts[:-1])
-    client.checkpoint(sid, p.CheckpointRecord(checkpoint_id="cp-0", step=0, turn=0, token_offset=0, cache_handle="c",
-                                              reason="start"), snapshot=False)
-    return observations
 
 
 def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
