@@ -110,6 +110,8 @@ def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser
     driver.save_screenshot(str(DOCS / "console-approvals.png"))  # type: ignore[attr-defined]
     row.find_element(By.CLASS_NAME, "reason").send_keys("expected invoice")
     row.find_element(By.CLASS_NAME, "approve").click()
+    WebDriverWait(driver, 10, ignored_exceptions=[StaleElementReferenceException]).until(
+        lambda d: not d.find_elements(By.CSS_SELECTOR, f'tr[data-call="{kept.call_id}"]'))
     row = driver.find_element(By.CSS_SELECTOR, f'tr[data-call="{gone.call_id}"]')  # type: ignore[attr-defined]
     row.find_element(By.CLASS_NAME, "reason").send_keys("the agent was hijacked")
     row.find_element(By.CLASS_NAME, "drop").click()
