@@ -221,8 +221,8 @@ class Client:
         req = p.OutboxRequest(request_id=self._rid(), session_id=session_id)
         return self.request(req, p.OutboxResponse).held
 
-    def release(self, call_id: str) -> p.CallResult:
-        req = p.ReleaseCallRequest(request_id=self._rid(), call_id=call_id)
+    def release(self, call_id: str, reason: str = "") -> p.CallResult:
+        req = p.ReleaseCallRequest(request_id=self._rid(), call_id=call_id, reason=reason)
         return self.request(req, p.ReleaseCallResponse).result
 
     def world_reset(self, session_id: str, injections: dict[str, str] | None = None,
@@ -237,8 +237,8 @@ class Client:
         return self.request(p.WorldStateRequest(request_id=self._rid(), session_id=session_id),
                             p.WorldResponse).environment
 
-    def drop(self, call_id: str) -> None:
-        self.request(p.DropCallRequest(request_id=self._rid(), call_id=call_id), p.DropCallResponse)
+    def drop(self, call_id: str, reason: str = "") -> None:
+        self.request(p.DropCallRequest(request_id=self._rid(), call_id=call_id, reason=reason), p.DropCallResponse)
 
     def resolve(self, call_id: str, outcome: str, result: dict[str, Any] | None = None) -> p.LedgerCall:
         req = p.ResolveCallRequest(request_id=self._rid(), call_id=call_id, outcome=outcome,  # type: ignore[arg-type]

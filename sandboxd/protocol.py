@@ -296,10 +296,14 @@ class OutboxRequest(_Request):
 
 class ReleaseCallRequest(_Request):
     call_id: str
+    reason: str = ""
+    """Why the operator released it: recorded in the call's history with who decided."""
 
 
 class DropCallRequest(_Request):
     call_id: str
+    reason: str = ""
+    """Why the operator dropped it: recorded in the call's history with who decided."""
 
 
 class WorldResetRequest(_Request):

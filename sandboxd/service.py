@@ -122,6 +122,7 @@ class Service:
         self.peer_handlers: dict[type[Any], Callable[[Any, Peer], p.Response]] = {
             p.OpenSessionRequest: self.open_session,
             p.ListSessionsRequest: self.list_sessions,
+            **self.effects.peer_handlers(),
         }
 
     # The error boundary and the ownership check --------------------------------------------------

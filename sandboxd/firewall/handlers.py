@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from sandboxd import protocol as p
+from sandboxd.auth import Peer
 from sandboxd.branch import Branch
 from sandboxd.errors import BranchStateError
 from sandboxd.firewall.ledger import CallRecord
@@ -37,8 +38,6 @@ class FirewallHandlers:
             p.DropTurnRequest: self.drop_turn,
             p.ListCallsRequest: self.list_calls,
             p.OutboxRequest: self.outbox,
-            p.ReleaseCallRequest: self.release,
-            p.DropCallRequest: self.drop,
             p.ResolveCallRequest: self.resolve,
         }
 
@@ -75,11 +74,16 @@ class FirewallHandlers:
         ]
         return p.OutboxResponse(request_id=req.request_id, held=held)
 
-    def release(self, req: p.ReleaseCallRequest) -> p.ReleaseCallResponse:
-        return p.ReleaseCallResponse(request_id=req.request_id, result=call_result(self.firewall.release(req.call_id)))
+    def peer_handlers(self) -> dict[type[Any], Callable[[Any, Peer], p.Response]]:
+        """The operator's decisions, recorded with who made them and why."""
+        return {p.ReleaseCallRequest: self.release, p.DropCallRequest: self.drop}
 
-    def drop(self, req: p.DropCallRequest) -> p.DropCallResponse:
-        self.firewall.drop(req.call_id)
+    def release(self, req: p.ReleaseCallRequest, peer: Peer) -> p.ReleaseCallResponse:
+        result = self.firewall.release(req.call_id, note=_decision("released", peer, req.reason))
+        return p.ReleaseCallResponse(request_id=req.request_id, result=call_result(result))
+
+    def drop(self, req: p.DropCallRequest, peer: Peer) -> p.DropCallResponse:
+        self.firewall.drop(req.call_id, note=_decision("dropped", peer, req.reason))
         return p.DropCallResponse(request_id=req.request_id, call_id=req.call_id)
 
     def resolve(self, req: p.ResolveCallRequest) -> p.ResolveCallResponse:
@@ -148,3 +152,8 @@ def ledger_call(record: CallRecord) -> p.LedgerCall:
         occurrence=record.occurrence, policy=record.policy, created_at=record.created_at,
         updated_at=record.updated_at,
     )
+
+
+def _decision(verb: str, peer: Peer, reason: str) -> str:
+    """The ledger history's note of an operator's decision: who, and why when they said."""
+    return f"{verb} by {peer.key}" + (f": {reason}" if reason else "")

@@ -520,23 +520,23 @@ class Firewall:
                     "commit or abandon the replay first",
                 )
 
-    def release(self, call_id: str) -> FirewallResult:
+    def release(self, call_id: str, note: str = "released") -> FirewallResult:
         """Fire a staged (held or replay-staged) effect now."""
         with self._ledger.transaction():
             record = self._ledger.get(call_id)
             self._check_decidable(call_id)
-            self._ledger.transition(call_id, "released", ("staged",), note="released")
+            self._ledger.transition(call_id, "released", ("staged",), note=note)
             self._ledger.unhold(call_id)
             self._in_flight.add(call_id)
         assert record is not None
         self._count("released")
         return self._fire(record, self._adapter(record.tool), record.args, "released")
 
-    def drop(self, call_id: str) -> None:
+    def drop(self, call_id: str, note: str = "dropped by operator") -> None:
         """Discard a staged effect without firing it."""
         with self._ledger.transaction():
             self._check_decidable(call_id)
-            self._drop(call_id, "dropped by operator")
+            self._drop(call_id, note)
 
     def _drop(self, call_id: str, note: str) -> None:
         self._ledger.transition(call_id, "dropped", ("staged",), note=note)

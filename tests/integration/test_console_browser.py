@@ -8,6 +8,7 @@ Screenshots go to docs/ for the README.
 from __future__ import annotations
 
 import shutil
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,6 +125,11 @@ def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser
     assert smtp.count == 1 and b"pay invoice 1 today" in smtp.messages[0][2]
     states = {c.call_id: c.state for c in client.calls(sid)}
     assert states[kept.call_id] in ("done", "released") and states[gone.call_id] == "dropped"
+    # Who decided and why is in each call's ledger history (read here from the daemon's database).
+    with sqlite3.connect(firewalled.state_dir / "state.db") as db:
+        notes = dict(db.execute("SELECT call_id, note FROM ledger_events WHERE to_state IN ('released', 'dropped')"))
+    assert notes == {kept.call_id: "released by local: expected invoice",
+                     gone.call_id: "dropped by local: the agent was hijacked"}
 
 
 def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
