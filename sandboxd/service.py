@@ -50,6 +50,7 @@ _ANNOUNCED: dict[type[Any], str] = {
     p.CallResponse: "call", p.CommitTurnResponse: "call", p.DropTurnResponse: "call",
     p.RecordArtifactsResponse: "artifact", p.CheckpointResponse: "checkpoint",
     p.SnapshotResponse: "snapshot", p.RestoreResponse: "snapshot", p.DeleteSnapshotResponse: "snapshot",
+    p.CommitRevocationResponse: "revocation",
 }
 
 
@@ -133,6 +134,8 @@ class Service:
         reply = self._serve(request, peer)
         self.metrics.observe(request, reply, time.perf_counter() - started)
         sid = getattr(request, "session_id", None)
+        if isinstance(reply, p.CommitRevocationResponse):
+            sid = reply.report.session
         if (kind := _ANNOUNCED.get(type(reply))) is not None and isinstance(sid, str):
             # Watchers of the session (the console's timeline) hear that something happened; what, they read.
             result = getattr(reply, "result", None)

@@ -180,6 +180,10 @@ def build_app(console: Console) -> Starlette:
         report = msgspec.to_builtins(status.report) if status.report is not None else None
         return console.page("revocation.html", info=msgspec.to_builtins(status.revocation), report=report)
 
+    async def revocation_state(request: Request) -> Response:
+        status = await console.call(console.client().revocation_status, request.path_params["rid"])
+        return JSONResponse({"state": status.revocation.state, "report": status.report is not None})
+
     async def session_action(request: Request) -> Response:
         form = request.state.form
         sid, action, checkpoint = str(form["session_id"]), str(form["action"]), str(form["checkpoint"])
@@ -212,6 +216,7 @@ def build_app(console: Console) -> Starlette:
         Route("/approvals/decide", guarded(decide, post=True), methods=["POST"]),
         Route("/revoke", guarded(revoke, post=True), methods=["POST"]),
         Route("/revocations/{rid}", guarded(revocation_page)),
+        Route("/revocations/{rid}/state", guarded(revocation_state)),
         Route("/sessions/action", guarded(session_action, post=True), methods=["POST"]),
         Route("/plots", guarded(plots_page)),
         Route("/api/sessions", guarded(api_sessions)),
