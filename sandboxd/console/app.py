@@ -29,7 +29,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from sandboxd.client import Client
-from sandboxd.console.views import approvals, plots, session_rows, timeline
+from sandboxd.console.views import approvals, decisions, plots, session_rows, timeline
 from sandboxd.revocation.graph_render import render
 
 COOKIE = "sandboxd_console"
@@ -150,7 +150,8 @@ def build_app(console: Console) -> Starlette:
 
     async def approvals_page(request: Request) -> Response:
         rows = await console.call(approvals, console.client(), time.time())
-        return console.page("approvals.html", rows=rows)
+        decided = await console.call(decisions, console.client())
+        return console.page("approvals.html", rows=rows, decided=decided)
 
     async def decide(request: Request) -> Response:
         form = request.state.form

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from typing import Any
-
-import msgspec
 
 from sandboxd import protocol as p
 from sandboxd.client import Client
@@ -84,9 +81,10 @@ def decisions(client: Client) -> list[dict[str, Any]]:
     out = []
     for s in client.sessions():
         for c in client.calls(s.session_id):
-            if c.state in ("released", "dropped") or getattr(c, "decided_by", None):
-                out.append({"call_id": c.call_id, "state": c.state, "by": getattr(c, "decided_by", None),
-                            "reason": getattr(c, "reason", None)})
+            # A released call is `done` (or `failed`) by now; only a daemon that records deciders says who.
+            if c.state == "dropped" or getattr(c, "decided_by", None):
+                out.append({"call_id": c.call_id, "tool": c.tool, "state": c.state,
+                            "by": getattr(c, "decided_by", None) or "", "reason": getattr(c, "reason", None) or ""})
     return out
 
 
@@ -128,10 +126,3 @@ def _svg(fig: Any, plt: Any) -> str:
     plt.close(fig)
     text = buf.getvalue()
     return text[text.index("<svg"):]
-
-
-def report_json(report: p.RevocationReport) -> str:
-    return json.dumps(msgspec.to_builtins(report), indent=2, sort_keys=True)
-
-
-__all__ = ["approvals", "decisions", "plots", "session_rows", "timeline", "report_json", "time"]
