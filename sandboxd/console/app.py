@@ -29,7 +29,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from sandboxd.client import Client
-from sandboxd.console.views import approvals, decisions, plots, session_rows, timeline
+from sandboxd.console.views import approvals, decisions, plots, revoked, session_rows, timeline
 from sandboxd.revocation.graph_render import render
 
 COOKIE = "sandboxd_console"
@@ -142,8 +142,7 @@ def build_app(console: Console) -> Starlette:
         closure: set[str] = set()
         if source:
             closure = set((await console.call(c.provenance, sid, source)).taint_closure)
-        redact = {a.artifact_id for a in graph.artifacts if a.meta.get("redacted")} | (
-            closure if request.query_params.get("redact") else set())
+        redact = await console.call(revoked, c, sid) | (closure if request.query_params.get("redact") else set())
         svg = await console.call(render, graph.artifacts, graph.checkpoints, closure, "svg", source=source,
                                  redact=redact, lanes=True)
         return Response(svg, media_type="image/svg+xml")

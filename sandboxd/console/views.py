@@ -126,3 +126,15 @@ def _svg(fig: Any, plt: Any) -> str:
     plt.close(fig)
     text = buf.getvalue()
     return text[text.index("<svg"):]
+
+
+def revoked(client: Client, session_id: str) -> set[str]:
+    """Artifacts a revocation of the session takes back (raised or done): drawn redacted, never their text."""
+    sources = {r.source for r in client.pending_revocations(session_id)}
+    if hasattr(client, "revocations"):  # every revocation, done ones too, where the client lists them
+        sources |= {r["source"] for r in client.revocations(session_id) if r.get("state") != "cancelled"}
+    known = {a.artifact_id for a in client.graph(session_id).artifacts}
+    out: set[str] = set()
+    for source in sources & known:
+        out |= set(client.provenance(session_id, source).taint_closure)
+    return out

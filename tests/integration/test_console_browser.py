@@ -134,6 +134,8 @@ def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser
 
 def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
         console: tuple[str, Console], browser: object, firewalled: DaemonProcess) -> None:
+    import httpx
+
     base, app = console
     client = firewalled.client()
     sid = client.open_session().session_id
@@ -159,6 +161,10 @@ def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
     driver.save_screenshot(str(DOCS / "console-graph.png"))  # type: ignore[attr-defined]
     driver.find_element(By.ID, "revoke").click()  # type: ignore[attr-defined]
     WebDriverWait(driver, 20).until(lambda d: "/revocations/" in d.current_url)
+    # Raised: the graph now draws what it takes back by id, type and digest, never its text.
+    svg = httpx.get(f"{base}/sessions/{sid}/graph.svg?source={source}", cookies={"sandboxd_console": app.token}).text
+    assert f"{source.replace('obs-', 'item ')} says hello" not in svg and "[redacted:" in svg
+    assert "item 1 says hello" in svg
     rid = driver.current_url.rsplit("/", 1)[1]  # type: ignore[attr-defined]
     assert client.revocation_status(rid).revocation.state == "pending"
     WebDriverWait(driver, 20, ignored_exceptions=[StaleElementReferenceException]).until(
