@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest engine image bench eval clean
+.PHONY: demo test lint typecheck pytest engine image browser bench eval clean
 
 demo: $(STAMP) image
 	$(PY) -m sandboxd.demo
@@ -35,7 +35,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP) image
+# The console's browser tests drive Debian's chromium through its chromedriver: nothing is downloaded at run time.
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver; }
+
+pytest: $(STAMP) image browser
 	$(PY) -m pytest -q -ra
 
 bench: $(STAMP) image
@@ -43,6 +48,7 @@ bench: $(STAMP) image
 	$(PY) -m benchmarks.bench_snapshots
 	$(PY) benchmarks/bench_firewall.py
 	$(PY) -m benchmarks.bench_revocation
+	$(PY) -m benchmarks.bench_console
 	$(PY) -m benchmarks.bench_eval --limit 30
 
 # Every method on the built-in suite and on AgentDojo's banking and slack suites, under both release

@@ -93,6 +93,28 @@ def cmd_mcp(args: argparse.Namespace) -> None:
     run(options)
 
 
+def cmd_console(args: argparse.Namespace) -> None:
+    try:
+        from sandboxd.console.app import Console, serve
+    except ImportError as exc:  # the web stack is an extra
+        raise SystemExit(f"sandboxd console: {exc}: pip install 'sandboxd[console]'") from exc
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit("sandboxd console: it serves loopback only; reach it through an SSH tunnel")
+    daemon = None
+    if args.state_dir is not None:
+        # The demo's daemon stopped when the demo ended: start one on its state to look at what happened.
+        from sandboxd.launcher import DaemonProcess
+
+        daemon = DaemonProcess(Path(args.state_dir).resolve(), ["--config", str(args.config)] if args.config else [])
+        daemon.start()
+        args.endpoint = daemon.endpoint
+    try:
+        serve(Console(lambda: _client(args), token=args.token), args.host, args.port)
+    finally:
+        if daemon is not None:
+            daemon.shutdown()
+
+
 def cmd_keys(args: argparse.Namespace) -> None:
     try:
         public_path, secret_path = generate_keys(args.dir, args.name, force=args.force)
@@ -546,6 +568,15 @@ def parser() -> argparse.ArgumentParser:
                      help="older clients: how long one call waits for an operator's decision")
     mcp.add_argument("--close-tool", action="store_true", help="offer the model a tool that closes the session")
     mcp.set_defaults(func=cmd_mcp, client=False)
+
+    console = sub.add_parser("console", parents=[common], help="serve the operators' web console on 127.0.0.1")
+    console.add_argument("--host", default="127.0.0.1")
+    console.add_argument("--port", type=int, default=8780)
+    console.add_argument("--token", default=os.environ.get("SANDBOXD_CONSOLE_TOKEN"),
+                         help="login token (default: $SANDBOXD_CONSOLE_TOKEN, else random, printed at start)")
+    console.add_argument("--state-dir", help="start a daemon on this state directory for the console's lifetime")
+    console.add_argument("--config", type=Path, help="with --state-dir: the daemon's configuration file")
+    console.set_defaults(func=cmd_console, client=False)
 
     def add(name: str, func: Callable[..., None], help_text: str) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, parents=[common], help=help_text)

@@ -58,6 +58,8 @@ def main() -> None:
     if not report["agreement"]["all"] or report["leak_scan"]["hits"] or report["calls"]["fired_twice"]:
         print("DEMO FAILED: the replay does not match the reference", file=sys.stderr)
         raise SystemExit(1)
+    print(f"\nlook at what happened: {sys.executable} -m sandboxd.cli console --state-dir {state} "
+          f"--config {OUT / 'demo-sandboxd.toml'}")
 
 
 def run(daemon: DaemonProcess, reference: DaemonProcess, mail: MailSink, web: Web) -> dict[str, Any]:

@@ -397,6 +397,7 @@ class OutboxRequest(_Request):
 class ReleaseCallRequest(_Request):
     call_id: str
     reason: str = ""
+    """Why the operator released it: recorded in the call's history with who decided."""
     force: bool = False
     """Release even though the holding session is closed."""
 
@@ -404,6 +405,7 @@ class ReleaseCallRequest(_Request):
 class DropCallRequest(_Request):
     call_id: str
     reason: str = ""
+    """Why the operator dropped it: recorded in the call's history with who decided."""
 
 
 class WorldResetRequest(_Request):
@@ -790,7 +792,7 @@ class Event(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Something a session's agent must react to: a revocation raised, a held call decided."""
 
     seq: Count
-    kind: Literal["revocation", "call", "rollback"]
+    kind: Literal["revocation", "call", "rollback", "artifact", "checkpoint", "snapshot"]
     subject: str
     """The revocation id, or the call id."""
 

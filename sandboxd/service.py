@@ -51,6 +51,15 @@ from snapshots import SnapshotStore
 log = logging.getLogger("sandboxd")
 
 
+#: successful replies that change what a session's timeline shows, and the event kind each publishes
+_ANNOUNCED: dict[type[Any], str] = {
+    p.CallResponse: "call", p.CommitTurnResponse: "call", p.DropTurnResponse: "call",
+    p.RecordArtifactsResponse: "artifact", p.CheckpointResponse: "checkpoint",
+    p.SnapshotResponse: "snapshot", p.RestoreResponse: "snapshot", p.DeleteSnapshotResponse: "snapshot",
+    p.CommitRevocationResponse: "revocation",
+}
+
+
 class Service:
     """The daemon's parts, and its requests dispatched by type to them."""
 
@@ -141,6 +150,13 @@ class Service:
         started = time.perf_counter()
         reply = self._serve(request, peer)
         self.metrics.observe(request, reply, time.perf_counter() - started)
+        sid = getattr(request, "session_id", None)
+        if isinstance(reply, p.CommitRevocationResponse):
+            sid = reply.report.session
+        if (kind := _ANNOUNCED.get(type(reply))) is not None and isinstance(sid, str):
+            # Watchers of the session (the console's timeline) hear that something happened; what, they read.
+            result = getattr(reply, "result", None)
+            self.events.publish(sid, kind, getattr(result, "call_id", "") or "")
         return reply
 
     def _serve(self, request: p.Request, peer: Peer) -> p.Response:

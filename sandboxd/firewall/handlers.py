@@ -187,3 +187,4 @@ def ledger_call(record: CallRecord) -> p.LedgerCall:
         occurrence=record.occurrence, policy=record.policy, created_at=record.created_at,
         updated_at=record.updated_at,
     )
+

@@ -43,8 +43,12 @@ def render(
     *,
     source: str | None = None,
     redact: set[str] | None = None,
+    lanes: bool = False,
 ) -> str:
     """The provenance graph as json, dot or svg text; `source` defaults to the closure's roots.
+
+    `lanes` (svg): time runs top to bottom and each artifact type has its own column, which stays
+    readable at hundreds of nodes where the default left-to-right row grows too wide to see.
 
     Artifacts in `redact` are drawn by id, type and a digest of their text, never the text: a picture
     of what a revocation will take back must not carry what it takes back."""
@@ -56,6 +60,8 @@ def render(
     if fmt == "dot":
         return _render_dot(artifacts, checkpoints, closure, sources)
     if fmt == "svg":
+        if lanes:
+            return _render_svg_lanes(artifacts, checkpoints, closure, sources)
         return _render_svg(artifacts, checkpoints, closure, sources)
     raise ValueError(f"unknown graph format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
@@ -308,6 +314,107 @@ def _render_svg(
     parts.extend(_svg_checkpoints(checkpoints, first))
     for parent, child in _edges(artifacts):
         parts.append(_svg_edge(positions[parent], positions[child], parent in closure and child in closure))
+    for a in artifacts:
+        x, y = positions[a.artifact_id]
+        parts.append(_svg_node(a, x, y, a.artifact_id in closure, a.artifact_id in sources))
+    parts.append(_svg_legend(legend_y))
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+# SVG in lanes: time top to bottom, one column per artifact type ------------------------------
+
+LANES = ("system", "user", "memory", "model_turn", "plan", "tool_call", "observation", "reply", "summary")
+_LANE_LABEL_W = 70
+
+
+def _layout_lanes(artifacts: list[Artifact]) -> tuple[dict[str, tuple[int, int]], dict[int, int]]:
+    """Grid cell (lane, row) of every artifact, and the first row of every step.
+
+    A step's artifacts take as many rows as its dependency depth needs (a turn, then its call), and
+    artifacts of one type at one depth stack in extra rows, so every edge runs downwards."""
+    cells_by_layer: dict[tuple[int, int], list[Artifact]] = {}
+    by_id = {a.artifact_id: a for a in artifacts}
+    depth: dict[str, int] = {}
+    for a in artifacts:
+        same_step = [depth[p] + 1 for p in a.parents if p in depth and by_id[p].step == a.step]
+        depth[a.artifact_id] = max(same_step, default=0)
+        cells_by_layer.setdefault((a.step, depth[a.artifact_id]), []).append(a)
+    cells: dict[str, tuple[int, int]] = {}
+    first: dict[int, int] = {}
+    row = 0
+    for step, layer in sorted(cells_by_layer):
+        first.setdefault(step, row)
+        stacked: dict[int, int] = {}
+        for a in cells_by_layer[(step, layer)]:
+            lane = LANES.index(a.type) if a.type in LANES else len(LANES)
+            cells[a.artifact_id] = (lane, row + stacked.get(lane, 0))
+            stacked[lane] = stacked.get(lane, 0) + 1
+        row += max(stacked.values())
+    return cells, first
+
+
+def _lane_xy(cell: tuple[int, int]) -> tuple[int, int]:
+    return (_MARGIN + _LANE_LABEL_W + cell[0] * (_NODE_W + _COL_GAP),
+            _MARGIN + _HEADER + cell[1] * (_NODE_H + _ROW_GAP))
+
+
+def _svg_edge_down(start: tuple[int, int], end: tuple[int, int], tainted: bool) -> str:
+    x1, y1 = start[0] + _NODE_W // 2, start[1] + _NODE_H
+    x2, y2 = end[0] + _NODE_W // 2, end[1]
+    bend = max(12, (y2 - y1) // 2)
+    colour, marker = (_CLOSURE_STROKE, "arrow-tainted") if tainted else ("#888888", "arrow")
+    return (
+        f'<path class="edge{" closure" if tainted else ""}" d="M{x1},{y1} C{x1},{y1 + bend} {x2},{y2 - bend} '
+        f'{x2},{y2}" fill="none" stroke="{colour}" stroke-width="{2 if tainted else 1}" marker-end="url(#{marker})"/>'
+    )
+
+
+def _render_svg_lanes(
+    artifacts: list[Artifact], checkpoints: list[CheckpointRecord], closure: set[str], sources: set[str]
+) -> str:
+    cells, first = _layout_lanes(artifacts)
+    used = sorted({lane for lane, _ in cells.values()})
+    # Only lanes that hold something take room.
+    compact = {lane: i for i, lane in enumerate(used)}
+    cells = {aid: (compact[lane], row) for aid, (lane, row) in cells.items()}
+    rows = max((row for _, row in cells.values()), default=-1) + 1
+    width = max(2 * _MARGIN + _LANE_LABEL_W + len(used) * (_NODE_W + _COL_GAP), 4 * 200 + 2 * _MARGIN)
+    legend_y = _MARGIN + _HEADER + rows * (_NODE_H + _ROW_GAP) + 10
+    height = legend_y + _LEGEND_H
+    positions = {aid: _lane_xy(cell) for aid, cell in cells.items()}
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif">',
+        "<defs>",
+        *(
+            f'<marker id="{name}" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" '
+            f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{colour}"/></marker>'
+            for name, colour in (("arrow", "#888888"), ("arrow-tainted", _CLOSURE_STROKE))
+        ),
+        "</defs>",
+        f'<rect width="{width}" height="{height}" fill="#fafafa"/>',
+    ]
+    for lane, i in compact.items():
+        name = LANES[lane] if lane < len(LANES) else "other"
+        x = _MARGIN + _LANE_LABEL_W + i * (_NODE_W + _COL_GAP)
+        parts.append(f'<text class="lane" x="{x + 8}" y="{_MARGIN + 16}" font-size="12" fill="#555555">{name}</text>')
+    for step, row in sorted(first.items()):
+        y = _MARGIN + _HEADER + row * (_NODE_H + _ROW_GAP)
+        parts.append(f'<line x1="{_MARGIN}" y1="{y - _ROW_GAP // 2}" x2="{width - _MARGIN}" y2="{y - _ROW_GAP // 2}" '
+                     'stroke="#e4e4e4"/>')
+        parts.append(f'<text class="step" x="{_MARGIN}" y="{y + 18}" font-size="12" fill="#555555">step {step}</text>')
+    for c in checkpoints:
+        row = first.get(c.step, max((r for step, r in first.items() if step <= c.step), default=0))
+        cx, cy = _MARGIN + 56, _MARGIN + _HEADER + row * (_NODE_H + _ROW_GAP) + 34
+        parts.append(
+            f'<g class="checkpoint" data-checkpoint="{_xml(c.checkpoint_id)}"><title>'
+            f"{_xml(f'checkpoint {c.checkpoint_id}: {c.reason}, step {c.step}, turn {c.turn}')}</title>"
+            f'<polygon points="{cx},{cy - 7} {cx + 7},{cy} {cx},{cy + 7} {cx - 7},{cy}" fill="{_CHECKPOINT_FILL}" '
+            f'stroke="#335577"/></g>'
+        )
+    for parent, child in _edges(artifacts):
+        parts.append(_svg_edge_down(positions[parent], positions[child], parent in closure and child in closure))
     for a in artifacts:
         x, y = positions[a.artifact_id]
         parts.append(_svg_node(a, x, y, a.artifact_id in closure, a.artifact_id in sources))

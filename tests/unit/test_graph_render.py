@@ -7,6 +7,8 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sandboxd.protocol import Artifact, CheckpointRecord
 from sandboxd.revocation.graph_render import excerpt, parse_json, render
@@ -135,3 +137,39 @@ def test_excerpt() -> None:
     assert excerpt("a\n\n b\tc") == "a b c"
     assert excerpt("x" * 100, 10) == "x" * 9 + "…"
     assert excerpt("bell\x07 nul\x00") == "bell nul"
+
+
+@st.composite
+def sessions(draw: st.DrawFn) -> list[Artifact]:
+    """A recorded session: parents recorded before children, steps never going back."""
+    types = ["user", "model_turn", "tool_call", "observation", "plan", "reply", "memory", "summary"]
+    out: list[Artifact] = []
+    step = 0
+    for i in range(draw(st.integers(1, 60))):
+        step += draw(st.integers(0, 1))
+        parents = draw(st.lists(st.sampled_from([a.artifact_id for a in out]), max_size=3)) if out else []
+        out.append(Artifact(artifact_id=f"a{i}", type=draw(st.sampled_from(types)), parents=parents, step=step,
+                            content=draw(st.text(max_size=20))))
+    return out
+
+
+def lane_boxes(text: str) -> dict[str, tuple[float, float]]:
+    return {aid: (float(g.find(f"{SVG}rect").attrib["x"]), float(g.find(f"{SVG}rect").attrib["y"]))  # type: ignore
+            for aid, g in svg_nodes(text).items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(sessions())
+def test_lanes_one_column_per_type_edges_downward_no_overlap(artifacts: list[Artifact]) -> None:
+    closure = {a.artifact_id for a in artifacts[len(artifacts) // 2:]}
+    text = render(artifacts, [], closure, "svg", lanes=True)
+    boxes = lane_boxes(text)
+    assert set(boxes) == {a.artifact_id for a in artifacts}
+    assert len(set(boxes.values())) == len(boxes)  # no two nodes on one spot
+    column = {}
+    for a in artifacts:
+        assert column.setdefault(a.type, boxes[a.artifact_id][0]) == boxes[a.artifact_id][0]
+        for parent in a.parents:
+            assert boxes[parent][1] < boxes[a.artifact_id][1], (parent, a.artifact_id)
+    nodes = svg_nodes(text)
+    assert {aid for aid, g in nodes.items() if "closure" in g.attrib["class"].split()} == closure

@@ -1,0 +1,1 @@
+"""`sandboxd console`: a web console for operators, over the same client and protocol as the CLI."""
