@@ -82,7 +82,8 @@ class TokenConversation:
         if self.renderer is None:
             ids = self._ids(ROLE[kind], True) + self._ids(text, False) + self._ids(END, True)
         else:
-            ids = [i for piece in self.renderer.add(kind, text, tool=tool) for i in self._ids(piece.text, piece.framing)]
+            pieces = self.renderer.add(kind, text, tool=tool)
+            ids = [i for piece in pieces for i in self._ids(piece.text, piece.framing)]
         self.backend.append(ids)
         self._blocks += 1
         return start, len(self.backend)

@@ -19,7 +19,6 @@ import msgspec
 
 from agent.compare import SessionState, counterfactual_artifact_distance, final_state, mask_effect_ids
 from agent.runtime import END, ROLE, AgentSession, Block
-from agent.scenario import parse_turn
 from sandboxd import protocol as p
 
 #: The state fields any-leak scans (the paper: answer, summary, plan, context, cache)
@@ -56,7 +55,7 @@ def render(blocks: Sequence[Block]) -> str:
 def _answer(blocks: Sequence[Block]) -> str | None:
     for block in reversed(blocks):
         if block.type == "model_turn":
-            return parse_turn(block.text)[1]
+            return block.reply
     return None
 
 
@@ -68,9 +67,9 @@ def state_of(blocks: Sequence[Block], artifacts: list[Artifact], tree: list[list
     for block in blocks:
         if block.type != "model_turn":
             continue
-        calls, _, plan = parse_turn(block.text)
+        plan = block.plan
         plans += [plan] if plan else []
-        for call in calls:
+        for _, call in block.calls:
             args = json.dumps(call.arguments, sort_keys=True)
             plans.append(f"{call.name} {args}")
             actions.append((call.name, args))

@@ -19,6 +19,7 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 from agent.models.fixture_data import conversation, tool_manifests
 
@@ -52,7 +53,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> object:
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     """A byte-level BPE tokenizer (digits split one by one, so numbers copy digit by digit)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -71,18 +72,18 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> object:
     return fast
 
 
-def encode(renderer: object, tokenizer: object, blocks: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
+def encode(renderer: object, tokenizer: Any, blocks: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
     """Token ids of a conversation as the runtime lays them out, and a mask of the model's own tokens."""
     from agent.chat import ChatRenderer
 
     assert isinstance(renderer, ChatRenderer)
     tok = tokenizer
-    stop = tok.convert_tokens_to_ids("<|im_end|>")  # type: ignore[attr-defined]
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
     ids: list[int] = []
     mask: list[int] = []
 
     def put(text: str, framing: bool, learn: bool) -> None:
-        piece = tok.encode(text, add_special_tokens=False, split_special_tokens=not framing)  # type: ignore[attr-defined]
+        piece = tok.encode(text, add_special_tokens=False, split_special_tokens=not framing)
         ids.extend(piece)
         mask.extend([int(learn)] * len(piece))
 
@@ -109,7 +110,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=150.0, help="training time budget")
     parser.add_argument("--vocab", type=int, default=800)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--init", type=Path, help="continue training this model directory (its tokenizer kept)")
     args = parser.parse_args()
 
     import torch
@@ -122,20 +125,27 @@ def main() -> None:
     tools = tool_manifests()
     convs = [conversation(rng) for _ in range(args.conversations)]
     corpus = [json.dumps(tools), CHAT_TEMPLATE] + [text for conv in convs[:400] for _, text in conv]
-    tokenizer = train_tokenizer(corpus, args.vocab)
+    tokenizer: Any
+    if args.init is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(args.init), local_files_only=True)
+    else:
+        tokenizer = train_tokenizer(corpus, args.vocab)
     renderer = ChatRenderer(tokenizer, tools)
     data = [encode(renderer, tokenizer, conv) for conv in convs]
     longest = max(len(ids) for ids, _ in data)
     print(f"{len(data)} conversations, {sum(len(i) for i, _ in data)} tokens, longest {longest}, "
-          f"vocab {len(tokenizer)}")  # type: ignore[arg-type]
+          f"vocab {len(tokenizer)}")
 
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384,  # type: ignore[arg-type]
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384,  # type: ignore[call-arg]
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=8192, rope_theta=10000.0, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
-                         pad_token_id=tokenizer.pad_token_id)  # type: ignore[attr-defined]
-    model = LlamaForCausalLM(config)
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM.from_pretrained(str(args.init)) if args.init else LlamaForCausalLM(config)
+    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
     started = time.monotonic()
     step = 0
@@ -147,12 +157,13 @@ def main() -> None:
             elapsed = time.monotonic() - started
             if elapsed >= args.seconds:
                 break
-            lr = 3e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / args.seconds)))
+            cosine = 0.5 * (1 + math.cos(math.pi * elapsed / args.seconds))
+            lr = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * cosine)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             chosen = [data[i] for i in order[start:start + batch]]
             width = max(len(ids) for ids, _ in chosen)
-            inputs = torch.full((len(chosen), width), config.pad_token_id, dtype=torch.long)
+            inputs = torch.full((len(chosen), width), int(config.pad_token_id or 0), dtype=torch.long)
             labels = torch.full((len(chosen), width), -100, dtype=torch.long)
             attention = torch.zeros((len(chosen), width), dtype=torch.long)
             for row, (ids, mask) in enumerate(chosen):
@@ -171,7 +182,7 @@ def main() -> None:
     model.eval()
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)  # type: ignore[attr-defined]
+    tokenizer.save_pretrained(args.out)
     print(f"wrote {args.out} after {step} steps")
 
 
