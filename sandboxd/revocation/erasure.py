@@ -116,7 +116,7 @@ def _session_rows(db: Database, table: str, session_id: str | None) -> tuple[str
     if "lineage" in columns:
         return "lineage = ?", [session_id]
     if table == "ledger_aliases":
-        return "branch IN (SELECT branch FROM ledger_branches WHERE lineage = ?)", [session_id]
+        return "branch IN (SELECT branch FROM branches WHERE lineage = ?)", [session_id]
     if table == "ledger_events":
         return "call_id IN (SELECT call_id FROM ledger_calls WHERE session_id = ?)", [session_id]
     return "1", []
