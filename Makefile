@@ -45,6 +45,7 @@ bench: $(STAMP) image
 	$(PY) -m benchmarks.bench_snapshots
 	$(PY) benchmarks/bench_firewall.py
 	$(PY) -m benchmarks.bench_revocation
+	$(PY) -m benchmarks.bench_model_agent
 	$(PY) -m benchmarks.bench_eval --limit 30
 
 # Every method on the built-in suite and on AgentDojo's banking and slack suites, under both release
