@@ -14,7 +14,7 @@ from agent.backends import run_agent
 from agent.compare import agreement, final_state
 from agent.harness import MailSink, Web, daemon_config, run_model_session
 from agent.models.fixture_data import FIXTURE_PORT
-from agent.revocation import apply_pending
+from agent.revocation import apply, apply_pending
 from agent.scenarios import INJECTION, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.launcher import DaemonProcess
 from tests.standins.sglang_standin import SGLangStandIn
@@ -63,3 +63,68 @@ def test_the_sglang_backend_runs_the_loop_on_the_standin(daemon: DaemonProcess) 
     assert len(salts) == 1 and None not in salts
     assert agent.conversation is not None and agent.conversation.meter.decoded > 0
     assert agent.turn >= 1
+
+
+@pytest.fixture
+def transformers_serve() -> Iterator[str]:
+    """A real OpenAI-compatible server: `transformers serve` on the fixture model, on a free port."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve = Path(sys.executable).with_name("transformers")
+    proc = subprocess.Popen([str(serve), "serve", "--host", "127.0.0.1", "--port", str(port), str(FIXTURE)],
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("transformers serve did not come up within 120 s")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_the_openai_backend_against_transformers_serve(
+        daemon_factory: Callable[..., DaemonProcess], world: tuple[MailSink, MailSink, Web],
+        transformers_serve: str) -> None:
+    from agent.models.openai import OpenAIBackend
+
+    mail, _, web = world
+    tmp = Path(tempfile.mkdtemp())
+    a = daemon_factory(["--config", str(daemon_config(tmp / "a.toml", mail, web))])
+    scenario = finance(web.url("/vendors"), compact_every=0)
+    backend = OpenAIBackend(transformers_serve, str(FIXTURE))
+    agent = run_model_session(a.client(), scenario, WORKSPACE, backend=backend)
+    # The server returned the calls in its text (special tokens stripped, markers kept); the runtime read them.
+    assert any(b.calls and not any(b.errors) for b in agent.blocks if b.type == "model_turn")
+    assert agent.conversation is not None and agent.conversation.meter.decoded > 0
+    assert agent.conversation.meter.prefilled > 0
+    # Message-level checkpoints: offsets are message counts, handles a digest of the messages.
+    checkpoints = a.client().graph(agent.session_id).checkpoints
+    assert checkpoints and all(c.cache_handle.startswith(f"openai:{c.token_offset}:") for c in checkpoints)
+    # A revocation replays over messages: the conversation is cut back to the checkpoint's message count.
+    source = next(b for b in agent.blocks if b.type == "observation")
+    revocation = a.client().revoke(agent.session_id, source.artifact_id).revocation
+    report = apply(agent, revocation.revocation_id)
+    assert report.tokens.reused_prefix == revocation_offset(a, agent.session_id, source.artifact_id)
+
+
+def revocation_offset(daemon: DaemonProcess, session_id: str, source: str) -> int:
+    checkpoint = daemon.client().provenance(session_id, source).checkpoint
+    assert checkpoint is not None
+    return checkpoint.token_offset
