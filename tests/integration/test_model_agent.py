@@ -63,6 +63,8 @@ def test_the_sglang_backend_runs_the_loop_on_the_standin(daemon: DaemonProcess) 
     assert len(salts) == 1 and None not in salts
     assert agent.conversation is not None and agent.conversation.meter.decoded > 0
     assert agent.turn >= 1
+    # The stand-in has no /get_server_info: whether it ran deterministic inference is unknown, and said so.
+    assert agent.backend.deterministic_inference() is None
 
 
 @pytest.fixture
