@@ -7,6 +7,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,3 +131,43 @@ def revocation_offset(daemon: DaemonProcess, session_id: str, source: str) -> in
     checkpoint = daemon.client().provenance(session_id, source).checkpoint
     assert checkpoint is not None
     return checkpoint.token_offset
+
+
+def test_a_revocation_is_taken_between_turns_when_the_daemon_announces_it(
+        daemon_factory: Callable[..., DaemonProcess], world: tuple[MailSink, MailSink, Web]) -> None:
+    from agent.backends import EventWatcher, take_revocations
+    from agent.chat import ChatRenderer
+    from agent.harness import seed_workspace
+    from agent.models.local import LocalBackend
+    from agent.runtime import AgentSession, exogenous_inputs
+
+    mail, _, web = world
+    daemon = daemon_factory(["--config", str(daemon_config(Path(tempfile.mkdtemp()) / "a.toml", mail, web))])
+    client = daemon.client()
+    scenario = finance(web.url("/vendors"), compact_every=0)
+    sid = client.open_session().session_id
+    seed_workspace(client, sid, WORKSPACE)
+    agent = AgentSession(client, sid, LocalBackend.from_pretrained(FIXTURE), system=scenario.system,
+                         chat=lambda tools: ChatRenderer.from_dir(FIXTURE, tools), max_turn_tokens=384)
+    reports: list[Any] = []
+    watcher = EventWatcher(client.endpoint, sid).start()
+    taken = take_revocations(watcher, reports.append)
+
+    def slow_hook(session: AgentSession) -> None:
+        # The detector's event arrives over the long-poll; give it a moment, as a turn of a real model would.
+        watcher.events.not_empty.acquire()
+        watcher.events.not_empty.wait(0.05)
+        watcher.events.not_empty.release()
+        taken(session)
+
+    agent.between_turns = slow_hook
+    try:
+        agent.start(exogenous_inputs(scenario))
+        agent.run()
+    finally:
+        watcher.stop()
+    # Taken during the session, right after the page was read, and the tasks went on after it.
+    [report] = reports
+    assert report.T == report.tau < agent.step
+    assert all(INJECTION not in b.text for b in agent.blocks)
+    assert agent.answer() == "Archived projects/q3.csv."
