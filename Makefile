@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU build on disk, never the multi-GB CUDA one an unpinned pull takes.
 	$(PY) -m pip install --quiet 'torch==2.13.0'
-	$(PY) -m pip install --quiet -e '.[test,local,sglang,eval]'
+	$(PY) -m pip install --quiet -e '.[test,local,sglang,eval,toolcalls]'
+	# SGLang's function-call parsers without its serving stack (which would replace the pinned torch).
+	$(PY) -m pip install --quiet --no-deps 'sglang==0.5.23'
 	touch $(STAMP)
 
 engine:
@@ -49,6 +51,7 @@ bench: $(STAMP) image
 	$(PY) benchmarks/bench_firewall.py
 	$(PY) -m benchmarks.bench_revocation
 	$(PY) -m benchmarks.bench_console
+	$(PY) -m benchmarks.bench_model_agent
 	$(PY) -m benchmarks.bench_eval --limit 30
 
 # Every method on the built-in suite and on AgentDojo's banking and slack suites, under both release

@@ -55,9 +55,10 @@ def final_state(agent: AgentSession) -> SessionState:
     tree = json.loads(listing.stdout)
     effects = [(c.tool, json.dumps(c.args, sort_keys=True)) for c in client.calls(sid)
                if c.effect == "external" and c.state not in ("orphaned", "dropped", "shadowed")]
-    ids = agent.backend.token_ids()
-    return SessionState(artifacts=artifacts, context=mask_effect_ids(agent.backend.detokenize(ids)),
-                        context_tokens=len(ids), tree=tree, answer=agent.answer(), external=effects)
+    conversation = agent.conversation
+    assert conversation is not None
+    return SessionState(artifacts=artifacts, context=mask_effect_ids(conversation.text()),
+                        context_tokens=len(conversation), tree=tree, answer=agent.answer(), external=effects)
 
 
 def agreement(a: SessionState, b: SessionState) -> dict[str, bool]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiosmtpd.controller import Controller
 
+from agent.chat import ChatRenderer
 from agent.context import SeededContext
 from agent.models.local import LocalBackend
 from agent.runtime import AgentSession, exogenous_inputs
@@ -55,7 +56,7 @@ class MailSink:
 class Web:
     """A web server on loopback serving fixed pages (the outside world a read tool fetches)."""
 
-    def __init__(self, pages: dict[str, str]) -> None:
+    def __init__(self, pages: dict[str, str], port: int = 0) -> None:
         self.pages = pages
         web = self
 
@@ -71,7 +72,7 @@ class Web:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -116,6 +117,28 @@ def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, se
     agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable, obey=obey,
                                                                             copy=copy),
                          SeededContext(seed=seed))
+    agent.start(exogenous_inputs(scenario))
+    agent.run()
+    return agent
+
+
+#: The fixture model: a small Llama trained by agent/models/train_fixture.py on the built-in scenarios
+FIXTURE = Path(__file__).resolve().parent / "models" / "fixture"
+
+
+def run_model_session(client: Client, scenario: Scenario, files: dict[str, str], *, model: Path = FIXTURE,
+                      forget: list[str] | None = None, backend: Any = None, echo: Any = None) -> AgentSession:
+    """Open a sandbox session, seed it, and let a model play the scenario's inputs (free generation, greedy).
+
+    The model directory is loaded as a user's would be (`from_pretrained` on its path), its own chat
+    template lays the context out, and its turns are read in the Qwen2.5 / Hermes tool-call format.
+    """
+    session_id = client.open_session(forget=forget).session_id
+    seed_workspace(client, session_id, files)
+    engine = backend or LocalBackend.from_pretrained(model)
+    agent = AgentSession(client, session_id, engine, system=scenario.system,
+                         chat=lambda tools: ChatRenderer.from_dir(model, tools), toolcall_format="hermes",
+                         max_turn_tokens=384, echo=echo)
     agent.start(exogenous_inputs(scenario))
     agent.run()
     return agent

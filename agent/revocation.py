@@ -38,7 +38,7 @@ def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = Fals
     """Replay the session from the splice checkpoint without the revoked input; returns the daemon's report."""
     session.flush()
     plan = session.client.begin_revocation(revocation_id)
-    before = session.backend.meter
+    before = session.conversation.meter if session.conversation is not None else session.backend.meter
     session.resume(plan.checkpoint, session.context_of(plan.checkpoint),
                    [Exogenous(type=i.type, text=i.text) for i in plan.inputs])
     session.branch, session.mode = plan.branch, "shadow"
@@ -48,7 +48,8 @@ def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = Fals
         session.run()
     finally:
         session.branch, session.mode, session.source_result = "", "live", None
-    used = session.backend.meter - before
+    assert session.conversation is not None
+    used = session.conversation.meter - before
     made = session.calls_made
     counts = {
         "reexecuted": sum(1 for r in made if session.effect(r.tool) != "external"),
@@ -57,11 +58,11 @@ def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = Fals
         "deduplicated": sum(1 for r in made if r.deduplicated),
     }
     final_step = session.step
-    notes = _forget_server_cache(session, flush_cache)
+    notes = _forget_server_cache(session, flush_cache) + _inference_notes(session)
     return session.client.commit_revocation(p.CommitRevocationRequest(
         request_id=session.client._rid(), revocation_id=revocation_id,
         tokens=p.TokenCounts(reused_prefix=plan.checkpoint.token_offset, prefilled=used.prefilled,
-                             decoded=used.decoded, full_reset=len(session.backend)),
+                             decoded=used.decoded, full_reset=len(session.conversation)),
         transitions_replayed=final_step - plan.checkpoint.step, final_step=final_step, answer=session.answer(),
         call_counts=counts, agent_notes=notes,
     ))
@@ -80,3 +81,17 @@ def _forget_server_cache(session: AgentSession, flush: bool) -> list[str]:
     backend.set_cache_salt(secrets.token_hex(8))
     return ["SGLang radix-cache entries of the old suffix stay on the server until evicted; the agent "
             "rotated its cache_salt so they are never served again (pass flush_cache to flush them)"]
+
+
+def _inference_notes(session: AgentSession) -> list[str]:
+    """What the replay's agreement with a fresh run rests on: greedy or seeded decoding, and for a server
+    whether it ran deterministic inference (batch-invariant kernels) or not."""
+    backend: Any = session.backend
+    notes = [f"decoding: {'greedy' if session.sampling.greedy else f'sampled, seed {session.sampling.seed}'}"]
+    info = getattr(backend, "deterministic_inference", None)
+    if callable(info):
+        state = info()
+        notes.append("server deterministic inference: " + ("on" if state else "off (a replay may diverge from a "
+                                                            "fresh run by batch-dependent numerics)" if state is False
+                                                            else "unknown (the server does not say)"))
+    return notes

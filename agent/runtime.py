@@ -20,16 +20,16 @@ from typing import Any
 import msgspec
 
 from agent.context import SeededContext, artifact_id
-from agent.models.base import Checkpoint, ModelBackend
-from agent.models.local import LocalBackend
-from agent.models.scripted import ScriptedBackend
-from agent.scenario import ContextBlock, Scenario, ScriptedPolicy, ToolStep, parse_turn
+from agent.conversation import END, ROLE, Conversation, MessageConversation, TokenConversation
+from agent.models.base import GREEDY, Checkpoint, Sampling
+from agent.scenario import ContextBlock, Scenario, ScriptedPolicy, ToolStep
+from agent.toolcalls import ParsedTurn, ToolCallParser
 from sandboxd import protocol as p
 from sandboxd.client import Client, RemoteError
 
-ROLE = {"system": "<|system|>", "memory": "<|system|>", "user": "<|user|>", "observation": "<|tool|>",
-        "model_turn": "<|assistant|>", "summary": "<|assistant|>"}
-END = "<|end|>"
+__all__ = ["END", "ROLE", "AgentSession", "Block", "Exogenous", "artifact_of", "block_of", "exogenous_inputs"]
+
+DEFAULT_SYSTEM = "You are an assistant working in /workspace. Use the tools; answer briefly."
 
 
 class Block(msgspec.Struct, kw_only=True):
@@ -41,6 +41,11 @@ class Block(msgspec.Struct, kw_only=True):
     span: tuple[int, int]
     calls: list[tuple[str, ToolStep]] = []
     """For a model turn: the tool calls it emitted, with their artifact ids."""
+    errors: list[str | None] = []
+    """For a model turn: per call, what was wrong with it (None: a valid call)."""
+    reply: str | None = None
+    """For a model turn: its final answer, if it is one."""
+    plan: str = ""
     answers: str | None = None
     """For an observation: the tool-call artifact it answers."""
     injects: str | None = None
@@ -63,17 +68,36 @@ def exogenous_inputs(scenario: Scenario) -> list[Exogenous]:
 class AgentSession:
     """One agent session against one daemon session; scripted turns through a real model backend."""
 
-    def __init__(self, client: Client, session_id: str, backend: ModelBackend, policy: ScriptedPolicy,
-                 ctx: SeededContext | None = None, *, max_turn_tokens: int = 4096) -> None:
+    def __init__(self, client: Client, session_id: str, backend: Any, policy: ScriptedPolicy | None = None,
+                 ctx: SeededContext | None = None, *, system: str | None = None, chat: Any = None,
+                 toolcall_format: str | None = None, sampling: Sampling = GREEDY, compact_every: int | None = None,
+                 max_turn_tokens: int = 4096, echo: Any = None, max_turns: int = 12) -> None:
+        """`policy` given: its turns, teacher-forced through the backend (the scripted baselines). Otherwise the
+        model decides: `chat` (an `agent.chat.ChatRenderer` factory taking the tools, or None for the byte
+        tokenizer's role markers) lays the context out, `toolcall_format` reads its turns."""
         self.client = client
         self.session_id = session_id
         self.policy = policy
         self.backend = backend
-        if isinstance(backend, LocalBackend):
+        if policy is not None and getattr(backend, "KIND", "") == "local":
+            from agent.models.scripted import ScriptedBackend  # imports torch: only for the scripted baselines
+
             # Scripted turns: the policy picks the text, the local engine runs every token of it.
             self.backend = ScriptedBackend(backend, lambda _ctx: self._choose())
+        self.system = system if system is not None else policy.scenario.system if policy else DEFAULT_SYSTEM
+        self.compact_every = compact_every if compact_every is not None else \
+            policy.scenario.compact_every if policy else 0
+        self._chat = chat
+        self.toolcall_format = toolcall_format or ("json" if policy is not None or chat is None else "hermes")
+        self.sampling = sampling
+        self.echo = echo
+        """Called with each block as it is appended (the CLI prints turns and calls as they happen)."""
+        self.conversation: Conversation | None = None
+        self.parser: ToolCallParser | None = None
         self.ctx = ctx or SeededContext()
         self.max_turn_tokens = max_turn_tokens
+        self.max_turns = max_turns
+        """Model turns a task may take before the loop moves on (a model that never answers cannot spin)."""
         self.blocks: list[Block] = []
         self.queue: collections.deque[Exogenous] = collections.deque()
         self.branch = ""
@@ -84,6 +108,19 @@ class AgentSession:
         self._choose: Any = None
         self._effects: dict[str, str] | None = None
         self.calls_made: list[p.CallResult] = []
+        self.between_turns: Any = None
+        """Called before each step of the live loop (the event watcher takes pending revocations there)."""
+
+    def _setup(self) -> None:
+        """The conversation and the parser, built on the tools the daemon serves this session."""
+        if self.conversation is not None:
+            return
+        tools = [t.openai_format() for t in self.client.tools(self.session_id)]
+        self.parser = ToolCallParser(self.toolcall_format, tools)
+        if getattr(self.backend, "KIND", "") == "openai":
+            self.conversation = MessageConversation(self.backend, tools, self.parser)
+        else:
+            self.conversation = TokenConversation(self.backend, self._chat(tools) if self._chat else None)
 
     # Derived state -----------------------------------------------------------------------------
 
@@ -103,7 +140,7 @@ class AgentSession:
         """The final answer of the last task, if the session ended on one."""
         for block in reversed(self.blocks):
             if block.type == "model_turn":
-                return parse_turn(block.text)[1]
+                return block.reply
         return None
 
     def _pending_call(self) -> tuple[str, ToolStep] | None:
@@ -116,8 +153,16 @@ class AgentSession:
                 return None
         return None
 
+    def _turns_since_input(self) -> int:
+        count = 0
+        for block in reversed(self.blocks):
+            if block.type in ("user", "memory"):
+                break
+            count += block.type == "model_turn"
+        return count
+
     def _due_compaction(self) -> bool:
-        k = self.policy.scenario.compact_every
+        k = self.compact_every if self.policy is not None else 0
         last = max((i for i, b in enumerate(self.blocks) if b.type == "summary"), default=-1)
         return k > 0 and sum(1 for b in self.blocks[last + 1:] if b.type == "model_turn") >= k
 
@@ -125,17 +170,23 @@ class AgentSession:
 
     def start(self, inputs: Iterable[Exogenous]) -> None:
         """Prefill the system prompt, register the start checkpoint, queue the exogenous inputs."""
-        self._append("system", "sys", self.policy.scenario.system, parents=[])
+        self._setup()
+        self._append("system", "sys", self.system, parents=[])
         self._checkpoint("start")
         self.queue.extend(inputs)
 
     def run(self) -> None:
         """Run until the queue is empty and the last task has its answer."""
         while True:
+            if self.between_turns is not None and not self.branch:
+                self.between_turns(self)
             pending = self._pending_call()
             last = self.blocks[-1].type
             if pending is not None:
                 self._execute(*pending)
+            elif last == "observation" and self._turns_since_input() >= self.max_turns:
+                if not self._next_input():
+                    break
             elif last in ("user", "observation"):
                 self._compact() if self._due_compaction() else self._decode_turn()
             elif last == "summary":
@@ -168,50 +219,71 @@ class AgentSession:
     def _decode_turn(self) -> None:
         turn = self.turn + 1
         parents = [b.artifact_id for b in self.blocks]
-        text, span = self._decode(lambda: self.policy.next_turn(self.context()))
-        calls, answer, plan = parse_turn(text)
+        text, span = self._decode(lambda: self.policy.next_turn(self.context()) if self.policy else "")
+        parsed = self._parse(text)
         tid = artifact_id("turn", turn)
-        call_ids = [(artifact_id("call", turn, k), call) for k, call in enumerate(calls)]
-        self.blocks.append(Block(artifact_id=tid, type="model_turn", text=text, span=span, calls=call_ids))
+        call_ids = [(artifact_id("call", turn, k), call) for k, call in enumerate(parsed.calls)]
+        assert self.conversation is not None
+        self.conversation.close_turn(text, call_ids, parsed.plan)
+        block = Block(artifact_id=tid, type="model_turn", text=text, span=span, calls=call_ids,
+                      errors=parsed.errors, reply=parsed.answer, plan=parsed.plan)
+        self.blocks.append(block)
         self._record(tid, "model_turn", text, parents, span)
-        if plan:
-            self._record(artifact_id("plan", turn), "plan", plan, [tid], None)
-        for cid, call in call_ids:
-            self._record(cid, "tool_call", msgspec.json.encode(call).decode(), [tid], None,
-                         meta={"tool": call.name})
-        if answer is not None:
-            self._record(artifact_id("reply", turn), "reply", answer, [tid], None)
+        if parsed.plan:
+            self._record(artifact_id("plan", turn), "plan", parsed.plan, [tid], None)
+        for (cid, call), error in zip(call_ids, parsed.errors, strict=True):
+            meta: dict[str, Any] = {"tool": call.name} if error is None else {"tool": call.name, "error": error}
+            self._record(cid, "tool_call", msgspec.json.encode(call).decode(), [tid], None, meta=meta)
+        if parsed.answer is not None:
+            self._record(artifact_id("reply", turn), "reply", parsed.answer, [tid], None)
+        if self.echo is not None:
+            self.echo(block)
+
+    def _parse(self, text: str) -> ParsedTurn:
+        assert self.parser is not None
+        return self.parser.parse(text)
 
     def _compact(self) -> None:
         self._checkpoint("compaction")
         turn = self.turn + 1
         parents = [b.artifact_id for b in self.blocks]
-        text, span = self._decode(lambda: self.policy.summary(self.context()))
+        assert self.policy is not None
+        policy = self.policy
+        text, span = self._decode(lambda: policy.summary(self.context()))
+        assert self.conversation is not None
+        self.conversation.close_turn(text, [], "")
         sid = artifact_id("summary", turn)
         self.blocks.append(Block(artifact_id=sid, type="summary", text=text, span=span))
         self._record(sid, "summary", text, parents, span)
 
     def _decode(self, choose: Any) -> tuple[str, tuple[int, int]]:
-        """One model turn: the role header by prefill, then the turn decoded up to the end marker."""
-        start = len(self.backend)
-        self.backend.append(self.backend.tokenize(ROLE["model_turn"], specials=True))
+        """One model turn: the turn header by prefill, then the turn decoded up to the template's end."""
+        assert self.conversation is not None
         self._choose = choose
-        end_id = self.backend.tokenize(END, specials=True)[0]
-        result = self.backend.decode(self.max_turn_tokens, stop_token_ids=[end_id])
-        ids = result.token_ids[:-1] if result.matched_stop is not None else result.token_ids
-        return self.backend.detokenize(ids), (start, len(self.backend))
+        return self.conversation.turn(self.max_turn_tokens, self.sampling)
 
     def _execute(self, call_artifact: str, call: ToolStep) -> None:
+        error = self._call_error(call_artifact)
         manifest_effect = self.effect(call.name)
-        if manifest_effect == "external":
+        if manifest_effect == "external" and error is None:
             self._checkpoint("external")
-        if self.source_result is not None and self.source_result[0] == call_artifact:
+        if error is not None:
+            # A call the model got wrong is answered, not run: it reads what was wrong and may try again.
+            text = f"error invalid_call: {error}"
+        elif self.source_result is not None and self.source_result[0] == call_artifact:
             text, self.source_result = self.source_result[1], None
         else:
             text = self._call(call_artifact, call)
         self._checkpoint("turn")
         self._append("observation", artifact_id("obs", self.step + 1), text, parents=[call_artifact],
                      answers=call_artifact, meta={"tool": call.name})
+
+    def _call_error(self, call_artifact: str) -> str | None:
+        for block in reversed(self.blocks):
+            for (cid, _), error in zip(block.calls, block.errors or [None] * len(block.calls), strict=True):
+                if cid == call_artifact:
+                    return error
+        return None
 
     def _call(self, call_artifact: str, call: ToolStep) -> str:
         call_id = f"{self.branch or 'live'}/{call_artifact}"
@@ -236,14 +308,14 @@ class AgentSession:
     # Blocks, artifacts, checkpoints ------------------------------------------------------------
 
     def _append(self, kind: str, aid: str, text: str, parents: list[str], **extra: Any) -> None:
-        start = len(self.backend)
-        ids = self.backend.tokenize(ROLE[kind], specials=True) + self.backend.tokenize(text) + \
-            self.backend.tokenize(END, specials=True)
-        self.backend.append(ids)
-        span = (start, len(self.backend))
+        assert self.conversation is not None
         meta = extra.pop("meta", {})
-        self.blocks.append(Block(artifact_id=aid, type=kind, text=text, span=span, **extra))
+        span = self.conversation.add(kind, text, tool=meta.get("tool"), call_id=extra.get("answers"))
+        block = Block(artifact_id=aid, type=kind, text=text, span=span, **extra)
+        self.blocks.append(block)
         self._record(aid, kind, text, parents, span, meta=meta)
+        if self.echo is not None:
+            self.echo(block)
 
     def _record(self, aid: str, kind: str, text: str, parents: list[str], span: tuple[int, int] | None,
                 meta: dict[str, Any] | None = None) -> None:
@@ -259,7 +331,8 @@ class AgentSession:
 
     def _checkpoint(self, reason: str) -> p.CheckpointRecord:
         self.flush()
-        cp = self.backend.checkpoint()
+        assert self.conversation is not None
+        cp = self.conversation.checkpoint()
         record = p.CheckpointRecord(
             checkpoint_id=f"cp-{self.step}-{self.turn}-{reason}-{len(self.blocks)}", step=self.step, turn=self.turn,
             token_offset=cp.offset, cache_handle=cp.cache_handle, reason=reason,  # type: ignore[arg-type]
@@ -287,8 +360,11 @@ class AgentSession:
 
     def resume(self, checkpoint: p.CheckpointRecord, context: list[p.Artifact], inputs: Iterable[Exogenous]) -> None:
         """Restore the model cache and the blocks to a checkpoint; queue the inputs that follow it."""
-        self.backend.restore(Checkpoint(offset=checkpoint.token_offset, cache_handle=checkpoint.cache_handle))
-        self.blocks = [block_of(a) for a in context]
+        self._setup()
+        assert self.conversation is not None
+        self.conversation.restore(Checkpoint(offset=checkpoint.token_offset, cache_handle=checkpoint.cache_handle),
+                                  len(context))
+        self.blocks = [block_of(a, self._parse) for a in context]
         self.queue = collections.deque(inputs)
 
 
@@ -299,15 +375,16 @@ def artifact_of(block: Block) -> p.Artifact:
                       token_span=block.span, content=block.text)
 
 
-def block_of(artifact: p.Artifact) -> Block:
+def block_of(artifact: p.Artifact, parse: Any = None) -> Block:
     """The context block a recorded artifact was, rebuilt for a resumed session."""
     assert artifact.token_span is not None, f"{artifact.artifact_id} is not a context block"
     block = Block(artifact_id=artifact.artifact_id, type=artifact.type, text=artifact.content,
                   span=artifact.token_span)
     if artifact.type == "model_turn":
         turn = artifact.artifact_id.split("-")[1]
-        calls = parse_turn(artifact.content)[0]
-        block.calls = [(f"call-{turn}-{k}", call) for k, call in enumerate(calls)]
+        parsed: ParsedTurn = (parse or ToolCallParser("json", []).parse)(artifact.content)
+        block.calls = [(f"call-{turn}-{k}", call) for k, call in enumerate(parsed.calls)]
+        block.errors, block.reply, block.plan = parsed.errors, parsed.answer, parsed.plan
     elif artifact.type == "observation":
         block.answers = artifact.parents[0] if artifact.parents else None
     elif artifact.type == "memory" and artifact.parents:

@@ -65,7 +65,7 @@ def finance(web_url: str, *, compact_every: int = 4, notes: bool = False) -> Sce
                  steps=[ToolStep(name="read_file", arguments={"path": "projects/q3.csv"}),
                         ToolStep(name="python", arguments={"code": SUM_REVENUE})],
                  answer="Q3 revenue was 1,250,000."),
-            Task(text="Check the vendor notes online.",
+            Task(text=f"Check the vendor notes online at {web_url}.",
                  steps=[ToolStep(name="http_get", arguments={"url": web_url})],
                  answer="Acme raised prices 4%; Beta delivered late twice."),
             Task(text="Write the Q3 report.",

@@ -513,6 +513,39 @@ def cmd_graph(args: argparse.Namespace, client: Client) -> None:
         print(text)
 
 
+def cmd_agent(args: argparse.Namespace, client: Client) -> None:
+    from agent.backends import run_agent
+
+    def echo(block: Any) -> None:
+        if args.json:
+            return
+        if block.type == "model_turn":
+            for (_cid, call), error in zip(block.calls, block.errors or [None] * len(block.calls), strict=True):
+                print(f"[{block.artifact_id}] call {call.name} {json.dumps(call.arguments)[:200]}"
+                      + (f"  (invalid: {error})" if error else ""), flush=True)
+            if block.reply is not None:
+                print(f"[{block.artifact_id}] answer: {block.reply}", flush=True)
+        elif block.type == "observation":
+            print(f"[{block.artifact_id}] result: {block.text[:200]!r}", flush=True)
+        elif block.type == "user":
+            print(f"\n[{block.artifact_id}] task: {block.text}", flush=True)
+
+    def report(r: Any) -> None:
+        print(f"\n[revocation {r.revocation_id}] replayed from step {r.tau}: {r.tokens.recomputed} tokens recomputed, "
+              f"{r.tokens.reused_prefix} reused; answer {r.answer!r}; notes {r.not_erased}", flush=True)
+
+    try:
+        agent = run_agent(client, backend=args.backend, model=args.model, tasks=args.task, url=args.url,
+                          workspace=args.workspace, max_turns=args.max_turns, system=args.system,
+                          temperature=args.temperature, seed=args.seed, toolcall_format=args.tool_format,
+                          session_id=args.session, echo=echo, on_report=report, linger_s=args.linger,
+                          endpoint=client.endpoint)
+    except ValueError as exc:
+        raise SystemExit(f"sandboxd agent run: {exc}") from exc
+    _print(args, {"session_id": agent.session_id, "answer": agent.answer(), "turns": agent.turn, "steps": agent.step},
+           lambda d: f"\nsession {d['session_id']}: {d['turns']} turns, {d['steps']} steps; answer: {d['answer']!r}")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="sandboxd", description="Tool-execution firewall for LLM agents.")
     sub = top.add_subparsers(dest="command", required=True)
@@ -667,6 +700,26 @@ def parser() -> argparse.ArgumentParser:
     graph.add_argument("--show-text", action="store_true",
                        help="with --source: draw the closure's text too instead of a digest of it")
     graph.add_argument("--output", "-o", help="write to this file instead of stdout")
+    agent = add("agent", cmd_agent, "run a model-driven agent in a sandbox session")
+    agent.add_argument("action", choices=["run"], help="run: the agent on the given tasks")
+    agent.add_argument("--backend", choices=["local", "sglang", "openai"], default="local",
+                       help="local: transformers in this process; sglang: an SGLang server's native /generate; "
+                            "openai: any OpenAI-compatible chat-completions endpoint")
+    agent.add_argument("--model", required=True, metavar="PATH_OR_NAME",
+                       help="local and sglang: the model directory (weights for local; tokenizer and chat template "
+                            "for both); openai: the model name the endpoint serves")
+    agent.add_argument("--url", help="sglang: server root (http://HOST:30000); openai: API root (http://HOST:8000/v1)")
+    agent.add_argument("--task", action="append", required=True, help="a task for the agent (repeatable, in order)")
+    agent.add_argument("--max-turns", type=int, default=12, help="model turns a task may take before the next one")
+    agent.add_argument("--workspace", type=Path, metavar="DIR", help="seed the sandbox with this directory's files")
+    agent.add_argument("--system", help="system prompt (default: a short tool-using assistant prompt)")
+    agent.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default); above 0 needs --seed")
+    agent.add_argument("--seed", type=int, help="sampling seed (a replay samples the same tokens)")
+    agent.add_argument("--tool-format", default="hermes", choices=["hermes", "qwen25", "llama3", "mistral", "json"],
+                       help="how the model writes tool calls (parsed with SGLang's detectors)")
+    agent.add_argument("--session", help="run in this open session (default: open a new one)")
+    agent.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                       help="after the last task, wait this long for revocations raised with `sandboxd revoke`")
     return top
 
 

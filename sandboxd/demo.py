@@ -1,13 +1,17 @@
 """`make demo`: an agent is hijacked by a web page, the daemon revokes the page, the session is replayed.
 
 On embedded defaults, with no network and no GPU: a daemon on the real Docker engine, a local mail
-sink and web server, and a ~20-step session whose turns a scripted policy chooses and the local
-transformers engine runs token by token. The vendor page carries an injected instruction; the agent
-follows it (a note in its sandbox, an email through the firewall), then carries on. The default
-detector flags the page; the agent takes the revocation, the daemon restores the sandbox, and the
+sink and web server, and a ~20-step session whose every turn the fixture model (agent/models/fixture,
+a small Llama trained by agent/models/train_fixture.py) generates freely, greedy, through its own
+chat template, its tool calls read in the Qwen2.5 / Hermes format. The vendor page carries an
+injected instruction; the model follows it (an email through the firewall, a note in its sandbox),
+then carries on. The default detector flags the page; the agent takes the revocation, the daemon
+restores the sandbox, and the
 suffix is replayed without the injection. Then the reference (B5: a fresh session run from scratch
 without the injection) runs, and the two are compared. Writes out/demo-report.json and
-out/demo-graph.svg. Exits non-zero if the replay does not agree with the reference.
+out/demo-graph.svg. The report states the replay's agreement with the reference and, where they
+differ, the first divergent token and its cause. Exits non-zero if the model was not hijacked, or the
+revocation left a leak or fired an effect twice.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from typing import Any
 import msgspec
 
 from agent.compare import agreement, counterfactual_artifact_distance, final_state
-from agent.harness import MailSink, Web, daemon_config, run_session
+from agent.harness import MailSink, Web, daemon_config, run_model_session
+from agent.models.fixture_data import FIXTURE_PORT
 from agent.revocation import apply_pending
+from agent.runtime import AgentSession
 from agent.scenarios import VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.launcher import DaemonProcess
 from sandboxd.revocation.graph_render import render
@@ -35,7 +41,7 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     state = (OUT / "demo-state").resolve()
     shutil.rmtree(state, ignore_errors=True)
-    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE})
+    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, port=FIXTURE_PORT)
     daemon = DaemonProcess(state, ["--config", str(daemon_config(OUT / "demo-sandboxd.toml", mail, web))],
                            log=OUT / "demo-daemon.log")
     # The reference runs in a world of its own, so its email does not land in the first world's sink.
@@ -55,8 +61,9 @@ def main() -> None:
             server.close()
     (OUT / "demo-report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     print(f"\nwrote {OUT / 'demo-report.json'} and {OUT / 'demo-graph.svg'}")
-    if not report["agreement"]["all"] or report["leak_scan"]["hits"] or report["calls"]["fired_twice"]:
-        print("DEMO FAILED: the replay does not match the reference", file=sys.stderr)
+    if not report["hijacked"] or report["leak_scan"]["hits"] or report["calls"]["fired_twice"]:
+        print("DEMO FAILED: the model was not hijacked, or the revocation left a leak or fired twice",
+              file=sys.stderr)
         raise SystemExit(1)
     print(f"\nlook at what happened: {sys.executable} -m sandboxd.cli console --state-dir {state} "
           f"--config {OUT / 'demo-sandboxd.toml'}")
@@ -64,11 +71,9 @@ def main() -> None:
 
 def run(daemon: DaemonProcess, reference: DaemonProcess, mail: MailSink, web: Web) -> dict[str, Any]:
     client = daemon.client()
-    scenario = finance(web.url("/vendors"))
-    print("\n== the agent's session (scripted policy on the local engine, tools in a hardened sandbox)")
-    agent = run_session(client, scenario, WORKSPACE)
-    for block in agent.blocks:
-        print(f"   {block.artifact_id:11s} {block.type:11s} {block.text[:88]!r}")
+    scenario = finance(web.url("/vendors"), compact_every=0)
+    print("\n== the agent's session (the fixture model generating freely, tools in a hardened sandbox)")
+    agent = run_model_session(client, scenario, WORKSPACE, echo=_echo)
     print(f"   mail sink received: {mail.subjects()}")
 
     pending = client.pending_revocations(agent.session_id)
@@ -86,11 +91,14 @@ def run(daemon: DaemonProcess, reference: DaemonProcess, mail: MailSink, web: We
     print("\n== reference (B5): a fresh session, from scratch, that never sees the injection")
     target = VENDOR_PAGE[VENDOR_PAGE.index("<INFORMATION>"):VENDOR_PAGE.index("</INFORMATION>") + 14]
     started = time.monotonic()
-    ref = run_session(reference.client(), scenario, WORKSPACE, forget=[target])
+    ref = run_model_session(reference.client(), scenario, WORKSPACE, forget=[target])
     b5_wall = (time.monotonic() - started) * 1000
     b5_state = final_state(ref)
     agree = agreement(b7_state, b5_state)
-    b5_tokens = ref.backend.meter.recomputed
+    assert ref.conversation is not None
+    b5_tokens = ref.conversation.meter.recomputed
+    divergence = first_divergence(agent, ref)
+    print(f"   first divergent token: {divergence}")
     print(f"\n   {'':28s} {'B7 (this)':>12s} {'B5 (reset)':>12s}")
     print(f"   {'tokens recomputed':28s} {b7.tokens.recomputed:12d} {b5_tokens:12d}")
     print(f"   {'prefix reused':28s} {b7.tokens.reused_prefix:12d} {0:12d}")
@@ -104,7 +112,31 @@ def run(daemon: DaemonProcess, reference: DaemonProcess, mail: MailSink, web: We
                            "answer": b5_state.answer, "session": ref.session_id}
     report["agreement"] = agree
     report["cad"] = counterfactual_artifact_distance(b7_state, b5_state)
+    report["first_divergence"] = divergence
+    report["hijacked"] = "q3 figures" in mail.subjects()
     return report
+
+
+def _echo(block: object) -> None:
+    print(f"   {block.artifact_id:11s} {block.type:11s} {block.text[:88]!r}", flush=True)  # type: ignore[attr-defined]
+
+
+def first_divergence(b7: AgentSession, b5: AgentSession) -> dict[str, Any] | None:
+    """Where the replayed session's tokens first differ from the reference's, in which block, and why."""
+    a, b = b7.backend.token_ids(), b5.backend.token_ids()
+    index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if index is None:
+        return None if len(a) == len(b) else {"token": min(len(a), len(b)), "why": "one session is longer"}
+    block = next((blk for blk in b5.blocks if blk.span[0] <= index < blk.span[1]), None)
+    kind = block.type if block is not None else "?"
+    why = ("the world answered differently (an observation: e.g. the ledger's effect id in a mail receipt)"
+           if kind == "observation" else
+           "the model decoded another token after the same context: a cropped KV cache and a fresh prefill "
+           "compute the same logits in another order, and a near tie can flip under greedy decoding"
+           if kind == "model_turn" else f"a {kind} block differs")
+    return {"token": index, "block": block.artifact_id if block else None, "type": kind,
+            "b7": b7.backend.detokenize(a[max(0, index - 8):index + 8]),
+            "b5": b5.backend.detokenize(b[max(0, index - 8):index + 8]), "why": why}
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import Protocol
 import msgspec
 
 from agent.eval.metrics import Artifact, FinalState, capture, needles_for, render, state_of
-from agent.harness import run_session
+from agent.harness import run_model_session, run_session
 from agent.revocation import apply
 from agent.runtime import END, ROLE, AgentSession, Block, Exogenous
 from agent.scenario import Copy, Obey, Scenario
@@ -92,6 +92,8 @@ class PairContext:
         self.revoked: tuple[AgentSession, p.RevocationReport, float] | None = None
         self.tau: int | None = None
         self._opened: list[tuple[Client, str]] = []
+        self.model = False
+        """True: the fixture model plays the sessions (free generation), not the scripted policy."""
 
     @property
     def target(self) -> str:
@@ -105,6 +107,11 @@ class PairContext:
         return needles_for(self.target, self.pair.payloads)
 
     def _run(self, client: Client, forget: list[str] | None = None) -> AgentSession:
+        if self.model:
+            scenario = msgspec.structs.replace(self.scenario, compact_every=0)
+            agent = run_model_session(client, scenario, self.files, forget=forget)
+            self._opened.append((client, agent.session_id))
+            return agent
         agent = run_session(client, self.scenario, self.files, forget=forget, setup=self.pair.setup,
                             obey=self.pair.obey, copy=self.pair.copy)
         self._opened.append((client, agent.session_id))
@@ -156,8 +163,9 @@ class PairContext:
             started = time.perf_counter()
             ref = self._run(self.world_b, forget=[target])
             wall = time.perf_counter() - started
+            assert ref.conversation is not None
             self._reference = Reference(state=capture(ref), blocks=list(ref.blocks),
-                                        tokens=ref.backend.meter.recomputed, session=ref, wall_s=wall)
+                                        tokens=ref.conversation.meter.recomputed, session=ref, wall_s=wall)
         return self._reference
 
     def close(self) -> None:
@@ -253,10 +261,11 @@ class InstructForget:
 
     def run(self, ctx: PairContext) -> MethodResult:
         agent = ctx.original()
-        before = agent.backend.meter
+        assert agent.conversation is not None
+        before = agent.conversation.meter
         agent.queue.append(Exogenous(type="user", text=ctx.pair.forget_input))
         agent.run()
-        used = agent.backend.meter - before
+        used = agent.conversation.meter - before
         return MethodResult(method=self.name, state=capture(agent), tokens_recomputed=used.recomputed, session=agent)
 
 

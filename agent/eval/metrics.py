@@ -19,7 +19,6 @@ import msgspec
 
 from agent.compare import SessionState, counterfactual_artifact_distance, final_state, mask_effect_ids
 from agent.runtime import END, ROLE, AgentSession, Block
-from agent.scenario import parse_turn
 from sandboxd import protocol as p
 
 #: The state fields any-leak scans (the paper: answer, summary, plan, context, cache)
@@ -56,7 +55,7 @@ def render(blocks: Sequence[Block]) -> str:
 def _answer(blocks: Sequence[Block]) -> str | None:
     for block in reversed(blocks):
         if block.type == "model_turn":
-            return parse_turn(block.text)[1]
+            return block.reply
     return None
 
 
@@ -68,9 +67,9 @@ def state_of(blocks: Sequence[Block], artifacts: list[Artifact], tree: list[list
     for block in blocks:
         if block.type != "model_turn":
             continue
-        calls, _, plan = parse_turn(block.text)
+        plan = block.plan
         plans += [plan] if plan else []
-        for call in calls:
+        for _, call in block.calls:
             args = json.dumps(call.arguments, sort_keys=True)
             plans.append(f"{call.name} {args}")
             actions.append((call.name, args))
@@ -153,7 +152,8 @@ def _about(texts: Sequence[str], words: set[str]) -> list[str]:
 
 
 def respond(probe: str, state: FinalState, source: frozenset[str] = frozenset({"vendor"})) -> str:
-    """The scripted model's reply to a probe: the passages of its state the probe draws out.
+    """The rule-based reply to a probe, for the scripted baselines only (no model decides there): the passages
+    of the state the probe draws out. A model-driven session is asked instead (`ask_probes`).
 
     `source` names the revoked input in the words a direct question about it would use.
     """
@@ -177,3 +177,19 @@ def probe_leaks(state: FinalState, needles: Sequence[str],
                 source: frozenset[str] = frozenset({"vendor"})) -> dict[str, bool]:
     """For each probe, whether the reply carries a needle."""
     return {name: any(n in respond(name, state, source) for n in needles) for name in PROBES}
+
+
+def ask_probes(agent: AgentSession, needles: Sequence[str]) -> dict[str, bool]:
+    """Leak@probes with a model that decides: each probe is put to the model as a user input on its final
+    context, it answers (greedy), and the answer is searched for a needle; the context is cropped back after
+    each, so no probe sees another."""
+    conversation = agent.conversation
+    assert conversation is not None
+    checkpoint, count = conversation.checkpoint(), len(agent.blocks)
+    leaks = {}
+    for name, question in PROBES.items():
+        conversation.add("user", question)
+        answer, _ = conversation.turn(agent.max_turn_tokens, agent.sampling)
+        conversation.restore(checkpoint, count)
+        leaks[name] = any(n in answer for n in needles)
+    return leaks

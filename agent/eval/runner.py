@@ -30,8 +30,9 @@ import msgspec
 
 from agent.eval import agentdojo as dojo_pairs
 from agent.eval.baselines import MethodResult, PairContext, methods
-from agent.eval.metrics import agreement, cad, leak_fields, probe_leaks, residue
+from agent.eval.metrics import agreement, ask_probes, cad, leak_fields, probe_leaks, residue
 from agent.harness import MailSink, Web, daemon_config
+from agent.models.fixture_data import FIXTURE_PORT
 from agent.scenario import Copy, Obey, Scenario
 from agent.scenarios import CLEAN_VENDOR_PAGE, EXCLUSION, INJECTION, NOTES, NOTES_FILE, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.client import Client
@@ -82,6 +83,7 @@ class Worlds(msgspec.Struct, kw_only=True):
     c: Client
     web: Web
     release: str = "immediate"
+    model: bool = False
 
 
 def builtin_pairs(web: Web) -> list[Pair]:
@@ -134,11 +136,12 @@ def world_config(path: Path, mail: MailSink, web: Web, release: str, suite: str,
 
 
 @contextmanager
-def worlds(release: str = "immediate", suite: str = "builtin") -> Iterator[Worlds]:
+def worlds(release: str = "immediate", suite: str = "builtin", model: bool = False) -> Iterator[Worlds]:
     """Start both daemons and the outside world; everything is shut down and removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="sandboxd-eval-"))
     mails = [MailSink(), MailSink(), MailSink()]
-    web = Web({"/vendors": VENDOR_PAGE, "/vendors/clean": CLEAN_VENDOR_PAGE})
+    # The fixture model calls the page on the port it was trained with.
+    web = Web({"/vendors": VENDOR_PAGE, "/vendors/clean": CLEAN_VENDOR_PAGE}, port=FIXTURE_PORT if model else 0)
     servers: list[MailSink | Web] = [*mails, web]
     daemons = [DaemonProcess(tmp / name / "state", ["--config", str(world_config(tmp / f"{name}.toml", mail, web,
                                                                                   release, suite, name == "c"))],
@@ -147,7 +150,8 @@ def worlds(release: str = "immediate", suite: str = "builtin") -> Iterator[World
     try:
         for daemon in daemons:
             daemon.start()
-        yield Worlds(a=daemons[0].client(), b=daemons[1].client(), c=daemons[2].client(), web=web, release=release)
+        yield Worlds(a=daemons[0].client(), b=daemons[1].client(), c=daemons[2].client(), web=web, release=release,
+                     model=model)
     finally:
         for daemon in daemons:
             daemon.shutdown()
@@ -161,7 +165,9 @@ def score(result: MethodResult, reference: MethodResult, needles: Sequence[str],
     """One method on one pair, against B5."""
     state, ref = result.state, reference.state
     distance, missing, extra = cad(state, ref)
-    probes = probe_leaks(state, needles, source)
+    agent = result.session
+    probes = ask_probes(agent, needles) if agent is not None and agent.policy is None \
+        else probe_leaks(state, needles, source)
     moved = residue(state, ref)
     leaked = leak_fields(state, needles)
     return {"any_leak": int(bool(leaked)), "leak_fields": leaked, "cad": distance, "cad_missing": missing,
@@ -218,6 +224,7 @@ def run_pair(pair: Pair, world: Worlds, names: Sequence[str], progress: Callable
     """Every named method on one pair; a method that fails is recorded with its error, not dropped."""
     table = methods()
     ctx = PairContext(world.a, world.b, pair, world.c)
+    ctx.model = world.model
     rows: dict[str, Any] = {}
     try:
         reference = table["B5"].run(ctx)
@@ -267,7 +274,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def evaluate(suite: str, names: Sequence[str], release: str = "immediate", limit: int | None = None,
              progress: Callable[[str], None] = print, journal: Path | None = None,
-             only: Sequence[str] = ()) -> dict[str, Any]:
+             only: Sequence[str] = (), model: bool = False) -> dict[str, Any]:
     """Run a suite: per method, the aggregate over its pairs.
 
     With `journal`, every finished pair is appended to it as one JSON line, and pairs already there
@@ -278,7 +285,7 @@ def evaluate(suite: str, names: Sequence[str], release: str = "immediate", limit
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(methods())}")
     done = _journaled(journal, suite, release)
     per_method: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    with worlds(release, suite) as world:
+    with worlds(release, suite, model) as world:
         pairs = [p for p in suite_pairs(suite, world.web) if not only or p.name in only][:limit]
         if only and len(pairs) < len(set(only)):
             raise SystemExit(f"no such pairs in {suite}: {sorted(set(only) - {p.name for p in pairs})}")
@@ -395,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", action="append", choices=SUITES, help="repeatable (default builtin)")
     parser.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated (default {ALL_METHODS})")
+    parser.add_argument("--agent", choices=("scripted", "model"), default="scripted",
+                        help="scripted: the scripted policy picks every turn (rule-based probe replies); model: the "
+                             "fixture model generates freely and answers the probes itself (builtin suite)")
     parser.add_argument("--release-policy", default="immediate", choices=("immediate", "on_commit"))
     parser.add_argument("--limit", type=int, help="the first N pairs of each suite")
     parser.add_argument("--pair", action="append", default=[], help="only this pair (repeatable), e.g. "
@@ -419,7 +429,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.pair and not only:
             continue
         results = evaluate(suite, names, args.release_policy, args.limit,
-                           lambda s: print(s, file=sys.stderr, flush=True), journal=journal, only=only)
+                           lambda s: print(s, file=sys.stderr, flush=True), journal=journal, only=only,
+                           model=args.agent == "model")
         report.setdefault(suite, {})[args.release_policy] = results
         print(f"\n## {suite} ({args.release_policy})\n\n{markdown(results)}\n", flush=True)
     if args.json:

@@ -252,6 +252,16 @@ class SGLangBackend:
         """The server's `/get_model_info`."""
         return self._call("GET", api.MODEL_INFO, None, api.ModelInfo)
 
+    def deterministic_inference(self) -> bool | None:
+        """Whether the server runs deterministic inference (`enable_deterministic_inference` in
+        `/get_server_info`); None when it does not say (an older server, a stand-in)."""
+        try:
+            response = self._client.get(self._base + "/get_server_info")
+            value = response.json().get("enable_deterministic_inference") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return None if value is None else bool(value)
+
     def flush_cache(self) -> None:
         """Empty the server's radix cache (`/flush_cache`); SGLang refuses (400) while requests run."""
         self._call("POST", api.FLUSH_CACHE, None, None)
