@@ -257,7 +257,7 @@ class Client:
         return self.request(req, p.CommitRevocationResponse).report
 
     def wait_events(self, session_id: str, after: int = 0, epoch: str = "",
-                    timeout_s: float = 30.0) -> p.EventsResponse:
+                    timeout_s: float = 30.0) -> p.WaitEventsResponse:
         """Wait (up to `timeout_s`) for the session's events after `after`; the reply's epoch and last seq are
         what to pass next time."""
         req = p.WaitEventsRequest(request_id=self._rid(), session_id=session_id, after=after, epoch=epoch,
@@ -265,9 +265,9 @@ class Client:
         reply = self.send_raw(p.encode(req), timeout_ms=int((timeout_s + 30.0) * 1000))
         if isinstance(reply, p.ErrorResponse):
             raise RemoteError(reply.code, reply.message, reply.details)
-        if not isinstance(reply, p.EventsResponse) or reply.request_id != req.request_id:
+        if not isinstance(reply, p.WaitEventsResponse) or reply.request_id != req.request_id:
             self.close()
-            raise DaemonUnreachable(f"expected the EventsResponse of {req.request_id}, got {type(reply).__name__}")
+            raise DaemonUnreachable(f"expected the WaitEventsResponse of {req.request_id}, got {type(reply).__name__}")
         return reply
 
     def revocation_status(self, revocation_id: str) -> p.RevocationStatusResponse:

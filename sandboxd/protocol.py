@@ -797,7 +797,7 @@ class Event(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The revocation id, or the call id."""
 
 
-class EventsResponse(_Response):
+class WaitEventsResponse(_Response):
     epoch: str
     """This daemon run's id: after a restart the sequence starts again, so a client resets `after`."""
     events: list[Event]
@@ -876,7 +876,7 @@ Response = (
     | BeginRevocationResponse
     | CommitRevocationResponse
     | RevocationStatusResponse
-    | EventsResponse
+    | WaitEventsResponse
     | WorldResponse
     | CopyInResponse
     | CopyOutResponse

@@ -208,11 +208,11 @@ class Service:
             return p.error_response(request.request_id, exc)
         events = self.events.since(request.session_id, request.after, request.epoch)
         if events or request.timeout_s == 0:
-            return p.EventsResponse(request_id=request.request_id, epoch=self.events.epoch, events=events)
+            return p.WaitEventsResponse(request_id=request.request_id, epoch=self.events.epoch, events=events)
         return None
 
-    def no_events(self, request: p.WaitEventsRequest) -> p.EventsResponse:
-        return p.EventsResponse(request_id=request.request_id, epoch=self.events.epoch, events=[])
+    def no_events(self, request: p.WaitEventsRequest) -> p.WaitEventsResponse:
+        return p.WaitEventsResponse(request_id=request.request_id, epoch=self.events.epoch, events=[])
 
     def _raised(self, session_id: str, revocation_id: str, raised_by: str) -> None:
         self.metrics.revocation("raised", raised_by)

@@ -229,6 +229,8 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "WorldResetRequest": {"injections": {"v": "x"}}, "WorldStateRequest": {},
     "CopyInRequest": {"path": "owned", "data": b"x"}, "CopyOutRequest": {"path": "owned"},
     "CallOutputRequest": {"call_id": "c-1", "timeout_s": 0},
+    "RollbackRequest": {"turn": 0}, "ForkRequest": {"checkpoint": "cp-x"}, "ListRevocationsRequest": {},
+    "CancelRevocationRequest": {"reason": "not mine"},
 }
 
 

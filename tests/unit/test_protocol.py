@@ -97,7 +97,7 @@ SAMPLES: list[Any] = [
     p.CallOutputRequest(request_id="r", session_id="s-1", call_id="cli-1", stdout_offset=3, timeout_s=1.0),
     p.CallOutputResponse(request_id="r", call_id="cli-1", stdout="line\n", stderr="", running=True),
     p.WaitEventsRequest(request_id="r", session_id="s-1", after=3, epoch="e1", timeout_s=5.0),
-    p.EventsResponse(request_id="r", epoch="e1", events=[p.Event(seq=4, kind="revocation", subject="rv-1")]),
+    p.WaitEventsResponse(request_id="r", epoch="e1", events=[p.Event(seq=4, kind="revocation", subject="rv-1")]),
     p.CommitTurnResponse(request_id="r", released=[EXTERNAL]),
     p.DropTurnResponse(request_id="r", dropped=["fx-1"]),
     p.ListCallsResponse(request_id="r", calls=[LEDGER]),
