@@ -78,7 +78,8 @@ class SessionInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """When a request last named it (since this daemon run started; its opening before that)."""
     closed_at: float | None = None
     usage: dict[str, Any] = {}
-    """What its sandbox uses now: memory_bytes, cpu_s, pids (where the engine tells)."""
+    """What its sandbox uses now: memory_bytes, cpu_s, pids (where the engine tells), and disk_bytes (its
+    workspace and snapshots on the host's disk)."""
 
 
 class SnapshotInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
