@@ -221,26 +221,27 @@ def test_an_operator_key_logs_in_and_the_session_page_forks_and_rolls_back(
     with serve_console(app) as base:
         login(driver, base, read_secret_key(stranger_secret)[1])  # a well-formed key that is no operator's
         assert driver.find_element(By.ID, "login-error").text == "wrong token or key"
-        login(driver, base, ops_secret.read_text())  # the whole NAME.key_secret file, pasted
+        # The whole NAME.key_secret file pasted: a one-line field drops its line breaks, as a browser's paste does.
+        login(driver, base, ops_secret.read_text().replace("\n", ""))
         assert driver.find_element(By.ID, "sessions")
 
-        def checkpoints_shown(session: str) -> list[str]:
+        def checkpoints_shown() -> list[str]:
             return [r.get_attribute("data-id") for r in driver.find_elements(By.CSS_SELECTOR, "tr.item.checkpoint")]
 
         driver.get(f"{base}/sessions/{sid}")
-        assert checkpoints_shown(sid) == ["cp-start", "cp-1-turn", "cp-2-turn"]
+        assert checkpoints_shown() == ["cp-start", "cp-1-turn", "cp-2-turn"]
         Select(driver.find_element(By.NAME, "checkpoint")).select_by_value(points["A"].checkpoint_id)
         driver.find_element(By.ID, "fork").click()
         WebDriverWait(driver, 30).until(lambda d: d.current_url.rstrip("/") != f"{base}/sessions/{sid}")
         child = driver.current_url.rsplit("/", 1)[1]
         assert child != sid and child in {s.session_id for s in client.sessions()}
-        assert checkpoints_shown(child) == ["cp-start", "cp-1-turn"] and notes(client, child) == "v1\n"
+        assert checkpoints_shown() == ["cp-start", "cp-1-turn"] and notes(client, child) == "v1\n"
 
         driver.get(f"{base}/sessions/{sid}")
         Select(driver.find_element(By.NAME, "checkpoint")).select_by_value(points["A"].checkpoint_id)
         driver.find_element(By.ID, "rollback").click()
         WebDriverWait(driver, 30, ignored_exceptions=[StaleElementReferenceException]).until(
-            lambda d: checkpoints_shown(sid) == ["cp-start", "cp-1-turn"])
+            lambda d: checkpoints_shown() == ["cp-start", "cp-1-turn"])
         assert driver.current_url.rstrip("/") == f"{base}/sessions/{sid}"
         # The timeline shows what the rollback did to the calls after the point: the held email dropped,
         # the fired webhook orphaned; the files are back.
