@@ -69,7 +69,7 @@ class SessionRow(msgspec.Struct, kw_only=True):
         return p.SessionInfo(session_id=self.session_id, image=self.image,
                              state="open" if self.state == "open" else "closed", created_at=self.created_at,
                              container=self.container_id, idle_timeout_s=self.idle_timeout_s, ttl_s=self.ttl_s,
-                             closed_at=self.closed_at)
+                             closed_at=self.closed_at, owner=self.owner)
 
 
 class SnapshotRow(msgspec.Struct, kw_only=True):

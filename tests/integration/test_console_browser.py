@@ -223,10 +223,19 @@ def test_an_operator_key_logs_in_and_the_session_page_forks_and_rolls_back(
         assert driver.find_element(By.ID, "login-error").text == "wrong token or key"
         # The whole NAME.key_secret file pasted: a one-line field drops its line breaks, as a browser's paste does.
         login(driver, base, ops_secret.read_text().replace("\n", ""))
-        assert driver.find_element(By.ID, "sessions")
+        row = driver.find_element(By.XPATH, f'//tr[@class="session"][td/a[text()="{sid}"]]')
+        # Owner (the ipc socket's owner is `local`), state, and what it uses, its disk among it.
+        assert [td.text for td in row.find_elements(By.TAG_NAME, "td")][1:3] == ["local", "open"]
+        assert "disk " in row.text and "MiB" in row.text and "memory " in row.text
+
+        def shown(kind: str) -> dict[str, str]:
+            """The timeline's rows of one kind, id -> text, read at once (the event stream redraws them)."""
+            pairs = driver.execute_script("return [...document.querySelectorAll('tr.item.' + arguments[0])]"
+                                          ".map(r => [r.dataset.id, r.innerText])", kind)
+            return dict(pairs)
 
         def checkpoints_shown() -> list[str]:
-            return [r.get_attribute("data-id") for r in driver.find_elements(By.CSS_SELECTOR, "tr.item.checkpoint")]
+            return list(shown("checkpoint"))
 
         driver.get(f"{base}/sessions/{sid}")
         assert checkpoints_shown() == ["cp-start", "cp-1-turn", "cp-2-turn"]
@@ -245,7 +254,7 @@ def test_an_operator_key_logs_in_and_the_session_page_forks_and_rolls_back(
         assert driver.current_url.rstrip("/") == f"{base}/sessions/{sid}"
         # The timeline shows what the rollback did to the calls after the point: the held email dropped,
         # the fired webhook orphaned; the files are back.
-        rows = {r.get_attribute("data-id"): r.text for r in driver.find_elements(By.CSS_SELECTOR, "tr.item.call")}
+        rows = shown("call")
         [email] = [c for c in client.calls(sid) if c.tool == "send_email"]
         assert "send_email · dropped" in rows[email.call_id]
         assert any("webhook · orphaned" in text for text in rows.values())
