@@ -192,6 +192,11 @@ def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
         assert figures[f"calls.{key}"] == f"{key} {value}"
     assert [li.text for li in driver.find_elements(By.CSS_SELECTOR, "#not-erased li")] == report.not_erased  # type: ignore
     driver.save_screenshot(str(DOCS / "console-revocation.png"))  # type: ignore[attr-defined]
+    # The plots: the revocation is one point of cost against tau.
+    driver.get(f"{base}/plots")  # type: ignore[attr-defined]
+    assert len(driver.find_elements(By.CSS_SELECTOR, ".plot svg")) == 2  # type: ignore[attr-defined]
+    assert driver.execute_script(  # type: ignore[attr-defined]
+        "return document.querySelectorAll('.plot')[1].querySelectorAll('g[id^=PathCollection] use').length") == 1
 
 
 def test_timeline_streams_new_calls(console: tuple[str, Console], browser: object, firewalled: DaemonProcess) -> None:
