@@ -9,11 +9,11 @@ a backend swap what `ws/` is (a new overlay mount, a fresh directory) without to
 from __future__ import annotations
 
 import abc
-import stat
 import builtins
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO

@@ -2,8 +2,9 @@
 
 Every page is behind a login with a random token printed at start (as Jupyter does), or with the secret
 of an operator's CURVE key (`operator_keys`: the public keys it may be the secret of; the console checks
-the pair and keeps no secret); either sets a session cookie. Every POST carries a CSRF token derived from the login token, checked before anything
-is done. The client is not thread-safe, so each worker thread keeps its own (`_client`).
+the pair and keeps no secret); either sets a session cookie. Every POST carries a CSRF token derived
+from the login token, checked before anything is done. The client is not thread-safe, so each worker
+thread keeps its own (`_client`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def build_app(console: Console) -> Starlette:
             form = await request.form()
             given = str(form.get("token", ""))
             if not console.admits(given):
-                return console.page("login.html", error="wrong token or key" if console.operator_keys else "wrong token", keys=bool(console.operator_keys))
+                keys = bool(console.operator_keys)
+                return console.page("login.html", error="wrong token or key" if keys else "wrong token", keys=keys)
             target = str(form.get("next") or "/")
             response = RedirectResponse(target if target.startswith("/") else "/", status_code=303)
             response.set_cookie(COOKIE, console.token, httponly=True, samesite="strict")

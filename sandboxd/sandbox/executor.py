@@ -25,8 +25,8 @@ import socket
 import stat
 import struct
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from typing import Any

@@ -12,7 +12,6 @@ import msgspec
 import pytest
 
 import docker
-
 from agent.context import SeededContext
 from agent.models.local import LocalBackend
 from agent.runtime import AgentSession, Exogenous, exogenous_inputs

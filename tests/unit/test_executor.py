@@ -180,7 +180,8 @@ def test_run_streams_chunks_and_counts_full_sizes(workspace: Path) -> None:
 
 @settings(max_examples=12, deadline=None)
 @given(size=st.sampled_from([1, 64 * 1024, 64 * 1024 + 1, 128 * 1024 - 1, 128 * 1024, 128 * 1024 + 1])
-       | st.integers(1, 3 * 1024 * 1024), stdin=st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=50))
+       | st.integers(1, 3 * 1024 * 1024),
+       stdin=st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=50))
 def test_a_shell_command_of_any_size_runs_as_one_command(
         tmp_path_factory: pytest.TempPathFactory, size: int, stdin: str) -> None:
     """Linux caps one exec argument at 128 KiB: a longer command goes to the shell as a script file, with the
