@@ -196,6 +196,7 @@ class Sessions:
                 self.update(session_id, state="failed", closed_at=time.time())
                 raise
             self.update(session_id, state="open", container_id=container_id)
+        self.touch(session_id)  # idle from now: a slow start must not eat an idle timeout before the opener has it
         return self.known(session_id)
 
     def open_fork(self, parent: SessionRow, snapshots: list[str], at: str, hold_effects: bool) -> tuple[

@@ -131,9 +131,9 @@ def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser
     assert states[kept.call_id] in ("done", "released") and states[gone.call_id] == "dropped"
     # Who decided and why is in each call's ledger history (read here from the daemon's database).
     with sqlite3.connect(firewalled.state_dir / "state.db") as db:
-        notes = dict(db.execute("SELECT call_id, note FROM ledger_events WHERE to_state IN ('released', 'dropped')"))
-    assert notes == {kept.call_id: "released by local: expected invoice",
-                     gone.call_id: "dropped by local: the agent was hijacked"}
+        decided = {row[0]: row[1:] for row in db.execute(
+            "SELECT call_id, actor, reason FROM ledger_events WHERE to_state IN ('released', 'dropped')")}
+    assert decided == {kept.call_id: ("local", "expected invoice"), gone.call_id: ("local", "the agent was hijacked")}
 
 
 def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(

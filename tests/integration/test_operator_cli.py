@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -112,7 +113,8 @@ def test_approvals_an_operator_can_judge(firewalled: DaemonProcess, smtp: SmtpSi
     table = cli("outbox", a).stdout
     row = next(line for line in table.splitlines() if "cfo@example.test" in line)
     assert "send_email" in row and "staged" in row and "manual" in row
-    assert "subject=Q3 wire" in row and "body=pay 10k" in row and ("0s" in row or "1s" in row)
+    # Its age, in seconds (a few: every CLI run starts a Python on a machine that may be busy).
+    assert "subject=Q3 wire" in row and "body=pay 10k" in row and re.search(r"  \d{1,2}s  ", row), row
     box = cli.json("outbox", a)
     [entry] = box["held"]
     assert entry["target"] == "cfo@example.test" and entry["digest"].startswith("sha256:")
@@ -302,21 +304,22 @@ def test_streamed_output_comes_as_it_is_written(daemon: DaemonProcess) -> None:
 
 def test_sessions_show_age_idle_use_and_close_by_timeout(daemon: DaemonProcess) -> None:
     cli = Cli(daemon.endpoint)
-    ttl = cli("session", "open", "--ttl", "5").stdout.strip()
+    # Opened last, with room for the listings below: each CLI run starts a Python, seconds on a busy machine.
     kept = cli("session", "open").stdout.strip()
-    # Opened last, with room for the two listings below: each CLI run takes a second or two on a busy machine.
+    ttl = cli("session", "open", "--ttl", "10").stdout.strip()
     idle = cli("session", "open", "--idle-timeout", "6").stdout.strip()
     listed = {s["session_id"]: s for s in cli.json("session", "list")}
-    assert listed[idle]["idle_timeout_s"] == 6 and listed[ttl]["ttl_s"] == 5
+    assert listed[idle]["idle_timeout_s"] == 6 and listed[ttl]["ttl_s"] == 10
     assert listed[kept]["usage"].get("memory_bytes", 0) > 0 and listed[kept]["usage"].get("pids", 0) >= 1
     table = cli("session", "list").stdout
     assert "IDLE" in table and "MEMORY" in table and "DISK" in table and "idle 6s" in table and "never" in table
     # The ttl session is kept busy: it closes at its time to live all the same; the idle one, idle, closes.
     started = time.monotonic()
-    while time.monotonic() - started < 9:
+    while True:
         cli("call", ttl, "shell", "--args", '{"command": "true"}', ok=False)
-        time.sleep(0.3)
-    states = {s["session_id"]: s["state"] for s in cli.json("session", "list", "--all")}
+        states = {s["session_id"]: s["state"] for s in cli.json("session", "list", "--all")}
+        if states[idle] == states[ttl] == "closed" or time.monotonic() - started > 30:
+            break
     assert states[idle] == "closed" and states[ttl] == "closed" and states[kept] == "open"
     cli.fails("call", idle, "shell", "--args", '{"command": "true"}', code="session_closed")
     # Bad timeouts are refused by the CLI and, sent raw, by the daemon.
