@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from sandboxd import protocol as p
-from sandboxd.auth import KeyFileError, generate_keys
+from sandboxd.auth import KeyFileError, generate_keys, read_public_key
 from sandboxd.client import Client
 from sandboxd.config import load_config
 from sandboxd.errors import SandboxdError
@@ -109,10 +109,20 @@ def cmd_console(args: argparse.Namespace) -> None:
         daemon.start()
         args.endpoint = daemon.endpoint
     try:
-        serve(Console(lambda: _client(args), token=args.token), args.host, args.port)
+        serve(Console(lambda: _client(args), token=args.token, operator_keys=_console_keys(args)), args.host, args.port)
     finally:
         if daemon is not None:
             daemon.shutdown()
+
+
+def _console_keys(args: argparse.Namespace) -> frozenset[str]:
+    """Operators' public keys whose secret logs in to the console: --operator-key files, and the console's own
+    --client-key (the key it reaches the daemon with)."""
+    files = [*args.operator_key, *([args.client_key] if args.client_key else [])]
+    try:
+        return frozenset(read_public_key(Path(f)) for f in files)
+    except KeyFileError as exc:
+        raise SystemExit(f"sandboxd console: {exc}") from exc
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -150,7 +160,7 @@ def cmd_session(args: argparse.Namespace, client: Client) -> None:
 
 def _sessions_table(sessions: list[p.SessionInfo]) -> str:
     now = time.time()
-    rows = [["SESSION", "STATE", "IMAGE", "AGE", "IDLE", "MEMORY", "CPU", "PIDS", "CLOSES"]]
+    rows = [["SESSION", "STATE", "IMAGE", "AGE", "IDLE", "MEMORY", "CPU", "PIDS", "DISK", "CLOSES"]]
     for s in sessions:
         idle = None if s.last_used_at is None else now - s.last_used_at
         limits = [f"idle {_age(s.idle_timeout_s)}" if s.idle_timeout_s else "",
@@ -158,7 +168,8 @@ def _sessions_table(sessions: list[p.SessionInfo]) -> str:
         cpu = s.usage.get("cpu_s")
         rows.append([s.session_id, s.state, s.image, _age(now - s.created_at), _age(idle),
                      _bytes(s.usage.get("memory_bytes")), "" if cpu is None else f"{cpu:.1f}s",
-                     str(s.usage.get("pids", "")), ", ".join(x for x in limits if x) or "never"])
+                     str(s.usage.get("pids", "")), _bytes(s.usage.get("disk_bytes")),
+                     ", ".join(x for x in limits if x) or "never"])
     return _table(rows)
 
 
@@ -607,6 +618,8 @@ def parser() -> argparse.ArgumentParser:
     console.add_argument("--port", type=int, default=8780)
     console.add_argument("--token", default=os.environ.get("SANDBOXD_CONSOLE_TOKEN"),
                          help="login token (default: $SANDBOXD_CONSOLE_TOKEN, else random, printed at start)")
+    console.add_argument("--operator-key", type=Path, action="append", default=[], metavar="FILE",
+                         help="an operator's public key file (NAME.key): its secret key logs in too (repeatable)")
     console.add_argument("--state-dir", help="start a daemon on this state directory for the console's lifetime")
     console.add_argument("--config", type=Path, help="with --state-dir: the daemon's configuration file")
     console.set_defaults(func=cmd_console, client=False)

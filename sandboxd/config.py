@@ -150,7 +150,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         list[str],
         msgspec.Meta(description="Fault injection for crash tests: the daemon kills itself (SIGKILL) when a branch "
                                  "operation reaches one of these points: begun, committing, or committed:NAME "
-                                 "(after participant NAME committed). Never set in production."),
+                                 "(after participant NAME committed); or a fork reaches fork:opening (files "
+                                 "and sandbox made) or fork:open (recorded). Never set in production."),
     ] = []
 
     @property

@@ -77,8 +77,11 @@ class SessionInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_used_at: float | None = None
     """When a request last named it (since this daemon run started; its opening before that)."""
     closed_at: float | None = None
+    owner: str | None = None
+    """Who opened it: a CURVE public key (z85), or `local` for the owner of the daemon's ipc socket."""
     usage: dict[str, Any] = {}
-    """What its sandbox uses now: memory_bytes, cpu_s, pids (where the engine tells)."""
+    """What its sandbox uses now: memory_bytes, cpu_s, pids (where the engine tells), and disk_bytes (its
+    workspace and snapshots on the host's disk)."""
 
 
 class SnapshotInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -109,10 +109,11 @@ class Service:
             served_in_daemon=self.effects.serves, fired_twice=self.firewall.ledger.fired_twice,
             outside_world=self.world.suite_name if self.world else None,
             committed=lambda by: self.metrics.revocation("committed", by), log_path=config.state_path / "sandboxd.log")
-        self.copying = Copying(self.sessions)
+        self.copying = Copying(self.sessions, self.calls)
         self.rollbacks = Rollbacks(db, self.sessions, self.provenance, self.calls, self.branches, self.firewall,
                                    self.revocations, lambda sid, op: self.events.publish(sid, "rollback", op))
-        self.forks = Forks(db, self.sessions, self.provenance, self.firewall, has_world=self.world is not None)
+        self.forks = Forks(db, self.sessions, self.provenance, self.firewall, has_world=self.world is not None,
+                           reached=self._reached)
         world = self.world
         self.provenance_handlers = ProvenanceHandlers(
             self.provenance, self.sessions, self.revocations.on_observation,
@@ -285,6 +286,7 @@ class Service:
             if row.state == "open":
                 info.last_used_at = self.sessions.last_used(row)
                 info.usage = container_usage(row.container_id)
+                info.usage["disk_bytes"] = self.sessions.store.disk_bytes(row.session_id)
             infos.append(info)
         return p.ListSessionsResponse(request_id=req.request_id, sessions=infos)
 

@@ -69,7 +69,7 @@ class SessionRow(msgspec.Struct, kw_only=True):
         return p.SessionInfo(session_id=self.session_id, image=self.image,
                              state="open" if self.state == "open" else "closed", created_at=self.created_at,
                              container=self.container_id, idle_timeout_s=self.idle_timeout_s, ttl_s=self.ttl_s,
-                             closed_at=self.closed_at)
+                             closed_at=self.closed_at, owner=self.owner)
 
 
 class SnapshotRow(msgspec.Struct, kw_only=True):
@@ -196,6 +196,7 @@ class Sessions:
                 self.update(session_id, state="failed", closed_at=time.time())
                 raise
             self.update(session_id, state="open", container_id=container_id)
+        self.touch(session_id)  # idle from now: a slow start must not eat an idle timeout before the opener has it
         return self.known(session_id)
 
     def open_fork(self, parent: SessionRow, snapshots: list[str], at: str, hold_effects: bool) -> tuple[
