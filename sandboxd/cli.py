@@ -66,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     try:
         config = load_config(args.config, state_dir=args.state_dir, endpoint=args.endpoint, image=args.image,
-                             snapshot_backend=args.snapshot_backend, runtime=args.runtime)
+                             snapshot_backend=args.snapshot_backend, runtime=args.runtime, state=args.state,
+                             node_id=args.node_id)
     except ValueError as exc:  # KeyFileError included: say which file, not a traceback
         raise SystemExit(f"sandboxd serve: {exc}") from exc
     try:
@@ -564,6 +565,9 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", type=Path, help="TOML configuration file")
     serve.add_argument("--state-dir")
+    serve.add_argument("--state", metavar="URL",
+                       help="state database: postgresql://... (shared by several daemons); default: SQLite in --state-dir")
+    serve.add_argument("--node-id", help="this daemon's name on a shared state database (default HOST:STATE_DIR)")
     serve.add_argument("--endpoint")
     serve.add_argument("--image")
     serve.add_argument("--snapshot-backend", choices=["overlay", "copy"])

@@ -127,8 +127,11 @@ class Sessions:
         return row
 
     def in_states(self, states: tuple[str, ...] = ("open",), owner: str | None = None) -> list[SessionRow]:
-        """Sessions in these states, oldest first; only `owner`'s when one is given."""
+        """Sessions in these states, oldest first; only `owner`'s when one is given; on a state database
+        several daemons share, only this daemon's (the ones it serves, expires and recovers)."""
         where, params = f"state IN ({','.join('?' for _ in states)})", list(states)
+        mine, node = self.db.mine()
+        where, params = where + mine, [*params, *node]
         if owner is not None:
             where, params = where + " AND owner = ?", [*params, owner]
         return self.db.structs(f"SELECT * FROM sessions WHERE {where} ORDER BY created_at", params, SessionRow)
