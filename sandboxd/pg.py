@@ -17,6 +17,7 @@ review than two). This module is the one place it is translated for a PostgreSQL
 | `sqlite_master` | a view of `information_schema.tables` |
 | `PRAGMA query_only` | `default_transaction_read_only` |
 | `WHERE 1` | `WHERE TRUE` |
+| `LIKE` (case-blind for ASCII) | `ILIKE` |
 | `secure_delete` + `wal_checkpoint(TRUNCATE)` (`Database.purge`) | `VACUUM (FULL)` of the content tables + `CHECKPOINT` (see `purge`) |
 
 Physical forgetting on PostgreSQL: a deleted or updated row stays in its heap page as a dead tuple
@@ -210,6 +211,7 @@ def translate(sql: str, has_params: bool = True) -> str:
     text = re.sub(r"\bINSERT\s+OR\s+IGNORE\s+INTO\b(.*)$", r"INSERT INTO\1 ON CONFLICT DO NOTHING", text,
                   flags=re.S | re.I)
     text = re.sub(r"\bWHERE\s+1\b(?!\s*[=<>!])", "WHERE TRUE", text)
+    text = re.sub(r"\bLIKE\b", "ILIKE", text)
     if has_params:
         text = _placeholders(text)
     return text
