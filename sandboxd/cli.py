@@ -566,7 +566,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="TOML configuration file")
     serve.add_argument("--state-dir")
     serve.add_argument("--state", metavar="URL",
-                       help="state database: postgresql://... (shared by several daemons); default: SQLite in --state-dir")
+                       help="state database: postgresql://... (several daemons may share it); default: SQLite")
     serve.add_argument("--node-id", help="this daemon's name on a shared state database (default HOST:STATE_DIR)")
     serve.add_argument("--endpoint")
     serve.add_argument("--image")

@@ -209,7 +209,7 @@ class Database:
         """
         with self._writing() as conn:
             if self.url is not None:
-                conn.purge()  # no secure_delete there: see `sandboxd.pg`
+                self.conn.purge()  # no secure_delete there: see `sandboxd.pg`
                 return
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 

@@ -37,7 +37,8 @@ def smtp() -> Iterator[SlowSmtpSink]:
 def two_daemons(daemon_factory: Callable[..., DaemonProcess], smtp: SlowSmtpSink, pg_url: str,
                 tmp_path: Path) -> tuple[DaemonProcess, DaemonProcess]:
     config = tmp_path / "sandboxd.toml"
-    config.write_text(f'[firewall]\nadapter_timeout_s = 10.0\n[firewall.smtp]\nhost = "127.0.0.1"\nport = {smtp.port}\n')
+    config.write_text(f'[firewall]\nadapter_timeout_s = 10.0\n'
+                      f'[firewall.smtp]\nhost = "127.0.0.1"\nport = {smtp.port}\n')
     args = ["--config", str(config), "--state", pg_url]
     return daemon_factory([*args, "--node-id", "node-a"]), daemon_factory([*args, "--node-id", "node-b"])
 

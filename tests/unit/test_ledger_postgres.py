@@ -8,12 +8,15 @@ connection's view) have PostgreSQL counterparts below.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
+from sandboxd.errors import CallUnknown, InvalidState
+from sandboxd.firewall import Firewall
 from sandboxd.migrations import MIGRATIONS
 from tests.unit.test_firewall_ledger import *  # noqa: F403  (the same tests, collected here again)
 
@@ -58,15 +61,15 @@ def test_two_daemons_on_one_database_fire_each_intent_once(make_firewall: Callab
     texts = [f"t{i % 7}" for i in range(28)]
     answers: list[tuple[str, str]] = []
 
-    def run(firewall: Firewall, share: list[str]) -> None:  # noqa: F405
+    def run(firewall: Firewall, share: list[str]) -> None:
         for text in share:
             try:  # the same agent call id on both: a retry sent to whichever daemon
                 result = firewall.call("s", "lin", "notify", {"text": text}, call_id="c-" + text)
                 answers.append((result.call_id, result.state))
-            except InvalidState:  # noqa: F405
+            except InvalidState:
                 pass  # the other daemon is firing it right now: refused, never fired twice
 
-    threads = [threading.Thread(target=run, args=(fw, texts)) for fw in (one, two, one, two)]  # noqa: F405
+    threads = [threading.Thread(target=run, args=(fw, texts)) for fw in (one, two, one, two)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -90,7 +93,7 @@ def test_a_call_another_live_daemon_fires_is_not_taken_for_an_orphan(make_firewa
     worker.start()
     assert started.wait(10)
     try:
-        with pytest.raises(InvalidState, match="firing it now"):  # noqa: F405
+        with pytest.raises(InvalidState, match="firing it now"):
             two.call(*call, call_id="c-x")  # the agent's retry, sent to the other daemon
         assert two.recover() == []  # a second daemon starting up leaves the live one's call alone
     finally:
@@ -121,6 +124,6 @@ def test_a_call_left_in_flight_by_a_daemon_that_died_is_unknown(make_firewall: C
     worker.start()
     worker.join(10)
     assert started.is_set()
-    with pytest.raises(CallUnknown):  # noqa: F405
+    with pytest.raises(CallUnknown):
         two.call("s", "lin", "notify", {"text": "y"}, call_id="c-y")
     assert adapter_one.fired == [] and adapter_two.fired == []
