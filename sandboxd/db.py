@@ -194,6 +194,10 @@ class Database:
             if migration.version <= current:
                 continue
             with self.transaction():
+                # Read again under the writer lock: another daemon on a shared server may have applied it.
+                current = int(self.value("PRAGMA user_version") or 0)
+                if migration.version <= current:
+                    continue
                 migration.apply(self.conn)
                 self.conn.execute(f"PRAGMA user_version = {int(migration.version)}")
             current = migration.version

@@ -100,8 +100,13 @@ class Connection:
         self.writer_lock = lock_key("sandboxd-writer:" + self.schema)
 
     def bootstrap(self) -> None:
-        for statement in _BOOTSTRAP:
-            self._conn.execute(statement)
+        # Daemons starting together would race on CREATE ... IF NOT EXISTS (it is not atomic there).
+        self._conn.execute("SELECT pg_advisory_lock(%s)", [self.writer_lock])
+        try:
+            for statement in _BOOTSTRAP:
+                self._conn.execute(statement)
+        finally:
+            self._conn.execute("SELECT pg_advisory_unlock(%s)", [self.writer_lock])
 
     @property
     def in_transaction(self) -> bool:
