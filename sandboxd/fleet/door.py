@@ -134,6 +134,8 @@ class Fleet:
             self.db.execute("UPDATE sessions SET state = 'lost' WHERE node = ? AND state IN ('open', 'opening')",
                             [node_id])
         lost = [r["session_id"] for r in rows]
+        for session_id in lost:  # what they held went with the node; Ray must not hold it elsewhere for them
+            self._release(session_id)
         log.warning("node %s is lost, and with it sessions %s", node_id, lost)
         return lost
 
@@ -190,6 +192,8 @@ class Fleet:
                 return self._open(request)
             if isinstance(request, p.ListSessionsRequest):
                 return self._list(request)
+            if isinstance(request, p.AdoptSessionRequest):
+                return self._adopt(request)
             node_id = self.node_of(request)
             reply = self.forward(node_id or self._any_node(), request)
             if isinstance(request, p.CloseSessionRequest) and not isinstance(reply, p.ErrorResponse):
@@ -199,6 +203,40 @@ class Fleet:
             return p.error_response(request.request_id, exc)
 
     def _open(self, request: p.OpenSessionRequest) -> p.Response:
+        group, node_id = self._place()
+        reply = self.forward(node_id, request)
+        if isinstance(reply, p.OpenSessionResponse):
+            with self._lock:
+                self.groups[reply.session.session_id] = group
+        else:
+            remove_placement_group(group)
+        return reply
+
+    def _adopt(self, request: p.AdoptSessionRequest) -> p.Response:
+        """Re-create a lost session on a node Ray places it on, from its last exported snapshot."""
+        row = self.db.row("SELECT node, state FROM sessions WHERE session_id = ?", [request.session_id])
+        if row is None:
+            raise UnknownSession(request.session_id)
+        if row["state"] != "lost":
+            raise SandboxUnavailable(f"session {request.session_id} is {row['state']}, not lost: nothing to re-create",
+                                     session_id=request.session_id, state=row["state"])
+        group, node_id = self._place()
+        try:
+            answer = ray.get(self.actors[node_id].adopt.remote(request.session_id), timeout=600)
+        except Exception as exc:
+            remove_placement_group(group)
+            raise SandboxUnavailable(f"re-creating {request.session_id} on {node_id} failed: {exc}",
+                                     session_id=request.session_id) from exc
+        reply = msgspec.convert({**answer, "request_id": request.request_id}, p.Response)
+        if isinstance(reply, p.AdoptSessionResponse):
+            with self._lock:
+                self.groups[request.session_id] = group
+        else:
+            remove_placement_group(group)
+        return reply
+
+    def _place(self) -> tuple[PlacementGroup, str]:
+        """A placement group holding one sandbox's resources, on the node Ray chose (which has a daemon)."""
         group = placement_group([dict(self.bundle)], strategy="STRICT_PACK")
         try:
             ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -209,13 +247,7 @@ class Fleet:
         if node_id not in self.nodes or node_id in self.lost:
             remove_placement_group(group)
             raise SandboxUnavailable(f"Ray placed the session on node {node_id}, which has no daemon")
-        reply = self.forward(node_id, request)
-        if isinstance(reply, p.OpenSessionResponse):
-            with self._lock:
-                self.groups[reply.session.session_id] = group
-        else:
-            remove_placement_group(group)
-        return reply
+        return group, node_id
 
     def _release(self, session_id: str) -> None:
         with self._lock:

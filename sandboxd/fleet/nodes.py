@@ -13,15 +13,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from sandboxd import protocol as p
 from sandboxd.client import Client, DaemonUnreachable
+from sandboxd.fleet.export import export_store, import_session
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,6 +46,9 @@ class NodeSpec:
     config: str = ""
     """A TOML configuration every daemon reads (firewall adapters, limits), or none."""
     runtime: str = "runc"
+    shared_dir: str = ""
+    """Storage every node mounts: snapshots are exported there, and lost sessions re-created from it."""
+    export_every_s: float = 0.5
 
 
 class NodeDaemon:
@@ -64,10 +72,37 @@ class NodeDaemon:
             try:
                 with Client(self.endpoint, timeout_s=0.5) as probe:
                     probe.health()
+                self._start_export(spec)
                 return
             except DaemonUnreachable:
                 continue
         raise RuntimeError(f"the daemon of node {node_id} did not answer within 120 s")
+
+    def _start_export(self, spec: NodeSpec) -> None:
+        self.shared = Path(spec.shared_dir) if spec.shared_dir else None
+        self.exported = threading.Event()
+        if self.shared is not None:
+            threading.Thread(target=self._export, args=(spec.export_every_s,), daemon=True).start()
+
+    def _export(self, every_s: float) -> None:
+        assert self.shared is not None
+        while self.proc.poll() is None:
+            try:
+                export_store(self.state_dir / "snapshots" / "layers", self.shared)
+            except (OSError, subprocess.CalledProcessError, ValueError) as exc:  # next round tries again
+                print(f"export from {self.node_id}: {exc}", file=sys.stderr)
+            time.sleep(every_s)
+
+    def adopt(self, session_id: str) -> dict[str, Any]:
+        """Import the lost session's last exported snapshot into this node's store, then have the daemon
+        serve it; returns the daemon's answer (an AdoptSessionResponse or ErrorResponse, as builtins)."""
+        if self.shared is None:
+            raise RuntimeError("no shared directory: nothing was exported to re-create a session from")
+        import_session(self.shared, self.state_dir / "snapshots" / "layers", session_id)
+        with Client(self.endpoint, timeout_s=300) as client:
+            reply = client.send_raw(p.encode(p.AdoptSessionRequest(request_id=uuid.uuid4().hex,
+                                                                   session_id=session_id)))
+        return msgspec.to_builtins(reply)
 
     def info(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "endpoint": self.endpoint, "state_dir": str(self.state_dir),

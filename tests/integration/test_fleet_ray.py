@@ -23,6 +23,7 @@ from aiosmtpd.controller import Controller
 from sandboxd.client import Client, RemoteError
 from sandboxd.db import Database
 from sandboxd.errors import ErrorCode
+from sandboxd.fleet.export import last_exported
 from sandboxd.launcher import DaemonProcess
 from tests.integration.test_firewall_daemon import SlowSmtpSink, mail
 
@@ -56,7 +57,7 @@ def fleet(pg_server: Any, smtp: SlowSmtpSink) -> Iterator[dict[str, Any]]:
     config.write_text(f'[firewall]\nadapter_timeout_s = 20.0\n'
                       f'[firewall.smtp]\nhost = "127.0.0.1"\nport = {smtp.port}\n')
     url = pg_server.fresh_url()
-    spec = NodeSpec(state=url, state_root=str(root / "nodes"), config=str(config))
+    spec = NodeSpec(state=url, state_root=str(root / "nodes"), config=str(config), shared_dir=str(root / "shared"))
     endpoint = f"ipc://{root / 'door.sock'}"
     started: list[Fleet] = []
     ready = threading.Event()
@@ -67,7 +68,8 @@ def fleet(pg_server: Any, smtp: SlowSmtpSink) -> Iterator[dict[str, Any]]:
     door.start()
     assert ready.wait(300), "the fleet did not start"
     try:
-        yield {"cluster": cluster, "workers": workers, "endpoint": endpoint, "url": url, "door": started[0]}
+        yield {"cluster": cluster, "workers": workers, "endpoint": endpoint, "url": url, "door": started[0],
+               "shared": root / "shared"}
     finally:
         started[0].server.stop()
         door.join(180)
@@ -79,7 +81,7 @@ def fleet(pg_server: Any, smtp: SlowSmtpSink) -> Iterator[dict[str, Any]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_sessions_spread_over_the_nodes_and_a_lost_node_fires_nothing_twice(fleet: dict[str, Any],
+def test_sessions_spread_a_lost_node_is_recovered_elsewhere_and_nothing_fires_twice(fleet: dict[str, Any],
                                                                             smtp: SlowSmtpSink) -> None:
     client = Client(fleet["endpoint"], timeout_s=120)
     state = Database(fleet["url"])
@@ -95,6 +97,13 @@ def test_sessions_spread_over_the_nodes_and_a_lost_node_fires_nothing_twice(flee
     victims = [sid for sid, node in placed.items() if node == doomed.node_id]
     survivors = [sid for sid in sessions if sid not in victims]
     assert client.call(victims[0], "send_email", mail(1), call_id="m1").state == "done"  # acknowledged
+    client.call(victims[0], "write_file", {"path": "kept.txt", "content": "in the snapshot"})
+    snapshot = client.snapshot(victims[0], "before the loss").snapshot_id
+    deadline = time.monotonic() + 60
+    while last_exported(fleet["shared"], victims[0]) != snapshot:  # exported by its node, incrementally
+        assert time.monotonic() < deadline, "the snapshot was never exported"
+        time.sleep(0.1)
+    client.call(victims[0], "write_file", {"path": "after.txt", "content": "never snapshotted"})
     smtp.delay = 10.0
     errors: list[BaseException] = []
 
@@ -131,6 +140,20 @@ def test_sessions_spread_over_the_nodes_and_a_lost_node_fires_nothing_twice(flee
         "SELECT a.agent_call_id AS call_id, c.state FROM ledger_aliases a JOIN ledger_calls c "
         "ON c.call_id = a.call_id WHERE c.session_id = ?", [victims[0]])}
     assert ledger["m1"] == "done"  # acknowledged before the loss: still there
-    assert ledger["m2"] in ("intent", "fired")  # in flight with no live owner: unknown to whoever reaches it
+    assert ledger["m2"] in ("intent", "fired")  # in flight with no live owner
+
+    client.close_session(survivors[0])  # the cluster was full: room for the lost session
+    adopted = client.adopt_session(victims[0])  # re-created where Ray finds room, from the last export
+    assert adopted.snapshot_id == snapshot
+    node = state.value("SELECT node FROM sessions WHERE session_id = ?", [victims[0]])
+    assert node != doomed.node_id and node in set(placed.values())
+    assert client.call(victims[0], "read_file", {"path": "kept.txt"}).stdout == "in the snapshot"
+    with pytest.raises(RemoteError):
+        client.call(victims[0], "read_file", {"path": "after.txt"})  # after the last snapshot: gone with the node
+    assert client.call(victims[0], "send_email", mail(1), call_id="m1").state == "done"  # answered, not resent
+    with pytest.raises(RemoteError) as unknown:
+        client.call(victims[0], "send_email", mail(2), call_id="m2")  # may have gone out: never sent again
+    assert unknown.value.code == ErrorCode.CALL_UNKNOWN
+    assert smtp.count == 2
     state.close()
     client.close()
