@@ -9,6 +9,7 @@ it as to one daemon. Each request is forwarded to the node its session lives on:
 - A request naming a session goes to the node in the session's row (the `node` column the node's
   daemon stamped); one naming a call or a revocation goes to its session's node; ListSessions asks
   every node; the rest (Health, ListTools, operators' ledger views over the shared database) any node.
+- A node that joins the cluster gets its daemon; sessions are placed there once it answers.
 - A node Ray reports dead: its sessions are marked `lost` in the shared database, and every request
   for them is refused (`sandbox_unavailable`, details `state: lost`). Its calls in flight become
   `unknown` to whichever daemon next reaches them (their advisory locks died with its connections), so
@@ -122,7 +123,20 @@ class Fleet:
                 continue
             for node_id in set(self.nodes) - alive - self.lost:
                 self.node_lost(node_id)
+            for node_id in alive - set(self.actors):  # a node that joined: its daemon, without holding this loop
+                self.actors[node_id] = start_node(self.spec, node_id)
+                threading.Thread(target=self._joined, args=(node_id,), daemon=True).start()
             self.events.wake_all()
+
+    def _joined(self, node_id: str) -> None:
+        try:
+            endpoint = ray.get(self.actors[node_id].info.remote(), timeout=180)["endpoint"]
+        except Exception:
+            log.exception("the daemon of joining node %s did not start", node_id)
+            return
+        with self._lock:
+            self.nodes[node_id] = endpoint  # only now may sessions be placed there
+        log.info("node %s joined", node_id)
 
     def node_lost(self, node_id: str) -> list[str]:
         """Record a node's loss: its open sessions are `lost` in the shared state; returns their ids."""
