@@ -92,6 +92,15 @@ def test_sessions_spread_a_lost_node_is_recovered_elsewhere_and_nothing_fires_tw
         client.call(sid, "write_file", {"path": "where.txt", "content": sid})
         assert client.call(sid, "read_file", {"path": "where.txt"}).stdout == sid
     assert {s.session_id for s in client.sessions()} == set(sessions)
+    seen = client.wait_events(sessions[0], timeout_s=0)  # its node's events, through the door
+    assert seen.events, "the calls above were announced"
+    other = Client(fleet["endpoint"], timeout_s=120)
+    later = threading.Timer(1.0, lambda: other.call(sessions[0], "read_file", {"path": "where.txt"}))
+    later.start()
+    woken = client.wait_events(sessions[0], after=seen.events[-1].seq, epoch=seen.epoch, timeout_s=30)
+    later.join()
+    other.close()
+    assert woken.events and woken.events[-1].seq > seen.events[-1].seq  # a parked wait, answered by the call
 
     doomed = fleet["workers"][0]
     victims = [sid for sid, node in placed.items() if node == doomed.node_id]
