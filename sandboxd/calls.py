@@ -259,9 +259,11 @@ class Calls:
 
     def interrupt_running(self) -> list[str]:
         """Mark calls a crash cut off; returns their ids."""
+        mine, node = self.db.mine()  # on a shared state database: this daemon's sessions' calls only
         with self.db.transaction():
-            ids = [r["call_id"] for r in self.db.rows("SELECT call_id FROM calls WHERE status = 'running'")]
-            self.db.execute("UPDATE calls SET status = 'interrupted' WHERE status = 'running'")
+            ids = [r["call_id"] for r in self.db.rows("SELECT call_id FROM calls WHERE status = 'running'" + mine,
+                                                      node)]
+            self.db.execute("UPDATE calls SET status = 'interrupted' WHERE status = 'running'" + mine, node)
         return ids
 
     def delete_of(self, session_id: str) -> None:

@@ -66,13 +66,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     try:
         config = load_config(args.config, state_dir=args.state_dir, endpoint=args.endpoint, image=args.image,
-                             snapshot_backend=args.snapshot_backend, runtime=args.runtime)
+                             snapshot_backend=args.snapshot_backend, runtime=args.runtime, state=args.state,
+                             node_id=args.node_id)
     except ValueError as exc:  # KeyFileError included: say which file, not a traceback
         raise SystemExit(f"sandboxd serve: {exc}") from exc
     try:
         run(config, verbose=args.verbose)
     except (SandboxdError, KeyFileError) as exc:  # an engine or key file that cannot serve as configured
         raise SystemExit(f"sandboxd serve: {exc}") from exc
+
+
+def cmd_fleet_serve(args: argparse.Namespace) -> None:
+    try:
+        from sandboxd.fleet.door import serve
+        from sandboxd.fleet.nodes import NodeSpec
+    except ImportError as exc:
+        raise SystemExit(f"sandboxd fleet: {exc} (install the fleet extra: pip install 'sandboxd[fleet]')") from exc
+    if not args.state.startswith(("postgresql://", "postgres://")):
+        raise SystemExit("sandboxd fleet serve: --state must be the postgresql:// URL every node shares")
+    spec = NodeSpec(state=args.state, state_root=str(Path(args.state_root).resolve()),
+                    config=str(args.config.resolve()) if args.config else "", runtime=args.runtime)
+    door_dir = Path(args.state_root).resolve() / "door"
+    serve(args.ray, spec, args.endpoint or f"ipc://{door_dir / 'sandboxd.sock'}", str(door_dir),
+          cpus=args.sandbox_cpus, memory_mb=args.sandbox_memory_mb)
 
 
 def cmd_mcp(args: argparse.Namespace) -> None:
@@ -575,6 +591,9 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", type=Path, help="TOML configuration file")
     serve.add_argument("--state-dir")
+    serve.add_argument("--state", metavar="URL",
+                       help="state database: postgresql://... (several daemons may share it); default: SQLite")
+    serve.add_argument("--node-id", help="this daemon's name on a shared state database (default HOST:STATE_DIR)")
     serve.add_argument("--endpoint")
     serve.add_argument("--image")
     serve.add_argument("--snapshot-backend", choices=["overlay", "copy"])
@@ -582,6 +601,19 @@ def parser() -> argparse.ArgumentParser:
                        help="OCI runtime of the sandboxes: runc (default) or runsc (gVisor)")
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=cmd_serve, client=False)
+
+    fleet = sub.add_parser("fleet", help="a fleet of daemons on a Ray cluster").add_subparsers(dest="fleet_command",
+                                                                                              required=True)
+    fleet_serve = fleet.add_parser("serve", help="the front door: a daemon per Ray node, sessions routed to theirs")
+    fleet_serve.add_argument("--ray", required=True, metavar="ADDRESS", help="the Ray cluster (ray.init address)")
+    fleet_serve.add_argument("--state", required=True, metavar="URL", help="the postgresql:// database nodes share")
+    fleet_serve.add_argument("--state-root", required=True, help="each node's state directory is made under it")
+    fleet_serve.add_argument("--endpoint", help="the door's endpoint (default: ipc socket under STATE_ROOT/door)")
+    fleet_serve.add_argument("--config", type=Path, help="the TOML configuration every node's daemon reads")
+    fleet_serve.add_argument("--runtime", choices=["runc", "runsc"], default="runc")
+    fleet_serve.add_argument("--sandbox-cpus", type=float, default=0.5, help="Ray CPU a session holds")
+    fleet_serve.add_argument("--sandbox-memory-mb", type=int, default=512, help="Ray memory a session holds")
+    fleet_serve.set_defaults(func=cmd_fleet_serve, client=False)
 
     keys = sub.add_parser("keys", help="make a CURVE keypair: DIR/NAME.key (public), DIR/NAME.key_secret (0600)")
     keys.add_argument("--dir", type=Path, required=True, help="where to write the two files")

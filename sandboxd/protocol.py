@@ -572,6 +572,13 @@ class RollbackRequest(_Request):
     """Pass over calls after the point whose outcome is unknown (they are listed as unresolved)."""
 
 
+class AdoptSessionRequest(_Request):
+    """Operator (a fleet's front door): serve a session whose node was lost, on this daemon, from the
+    workspace of its last exported snapshot, already imported into this daemon's snapshot store."""
+
+    session_id: str
+
+
 class ForkRequest(_Request):
     """Operator: a new session from a checkpoint of this one; the parent is left as it is."""
 
@@ -655,6 +662,12 @@ class DeleteSnapshotResponse(_Response):
 
 class RollbackResponse(_Response):
     report: RollbackReport
+
+
+class AdoptSessionResponse(_Response):
+    session: SessionInfo
+    snapshot_id: str
+    """The snapshot the workspace was re-created from."""
 
 
 class ForkResponse(_Response):
@@ -847,6 +860,7 @@ Request = (
     | CallOutputRequest
     | RollbackRequest
     | ForkRequest
+    | AdoptSessionRequest
     | CompensateRequest
     | ListRevocationsRequest
     | CancelRevocationRequest
@@ -886,6 +900,7 @@ Response = (
     | CallOutputResponse
     | RollbackResponse
     | ForkResponse
+    | AdoptSessionResponse
     | CompensateResponse
     | ListRevocationsResponse
     | CancelRevocationResponse

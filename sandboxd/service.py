@@ -71,7 +71,8 @@ class Service:
     #: requests on the firewall's shared outbox: releasing a 'manual' hold is the operator's decision
     #: and the outside world is not the agent's to reset or to read around its tools
     OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest, p.WorldResetRequest,
-                     p.WorldStateRequest, p.RollbackRequest, p.ForkRequest, p.CompensateRequest)
+                     p.WorldStateRequest, p.RollbackRequest, p.ForkRequest, p.CompensateRequest,
+                     p.AdoptSessionRequest)
 
     def __init__(self, config: DaemonConfig, db: Database, sandbox: Sandbox, store: SnapshotStore) -> None:
         self.config = config
@@ -136,6 +137,7 @@ class Service:
             p.CallOutputRequest: self.calls.output,
             p.RollbackRequest: self.rollbacks.rollback,
             p.ForkRequest: self.forks.fork,
+            p.AdoptSessionRequest: self.adopt_session,
         }
         #: requests whose answer depends on who asks: the owner of a new session, whose sessions to list
         self.peer_handlers: dict[type[Any], Callable[[Any, Peer], p.Response]] = {
@@ -214,6 +216,15 @@ class Service:
 
     def no_events(self, request: p.WaitEventsRequest) -> p.WaitEventsResponse:
         return p.WaitEventsResponse(request_id=request.request_id, epoch=self.events.epoch, events=[])
+
+    def adopt_session(self, req: p.AdoptSessionRequest) -> p.AdoptSessionResponse:
+        """A lost node's session, served here from the snapshot its workspace was imported from (`sandboxd.fleet`);
+        its ledger, provenance and calls were never the lost node's: they are in the shared state."""
+        with self.sessions.lock(req.session_id):
+            row, snapshot_id = self.sessions.adopt(req.session_id)
+        log.warning("adopted session %s from snapshot %s", req.session_id, snapshot_id,
+                    extra={"session_id": req.session_id})
+        return p.AdoptSessionResponse(request_id=req.request_id, session=row.info(), snapshot_id=snapshot_id)
 
     def _raised(self, session_id: str, revocation_id: str, raised_by: str) -> None:
         self.metrics.revocation("raised", raised_by)
