@@ -2,11 +2,13 @@
 
 A real daemon, a real SMTP sink, the console served by uvicorn on a free loopback port; the browser
 logs in with the token, approves and drops held emails, raises a revocation, draws a 300-node graph.
-Screenshots go to docs/ for the README.
+Screenshots go to out/screenshots/ (a test run leaves the checkout as it found it); the README's
+copies in docs/ are refreshed with `SANDBOXD_SCREENSHOTS=docs`.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import time
@@ -31,7 +33,9 @@ from selenium.common.exceptions import StaleElementReferenceException  # noqa: E
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+_ROOT = Path(__file__).resolve().parents[2]
+DOCS = _ROOT / "docs" if os.environ.get("SANDBOXD_SCREENSHOTS") == "docs" else _ROOT / "out" / "screenshots"
+DOCS.mkdir(parents=True, exist_ok=True)
 __all__ = ["operated", "sinks"]
 pytestmark = [pytest.mark.docker,
               pytest.mark.skipif(not shutil.which("chromedriver"), reason="needs Debian's chromium-driver")]
