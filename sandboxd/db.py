@@ -2,6 +2,10 @@
 
 Writes go through one connection under one re-entrant lock, WAL mode and `synchronous=FULL`: a reply
 is sent only after its record is committed, so whatever the daemon acknowledged survives `kill -9`.
+A `lazy` transaction (a tool call's record: two per call, on the hot path) commits without the fsync:
+its frames are in the WAL file, in the kernel's page cache, before COMMIT returns, so it survives the
+daemon's `kill -9` all the same; the next FULL commit or the flusher's fsync, at most `FLUSH_S` later,
+makes it survive a host crash too. An fsync costs milliseconds; a call is meant to cost less.
 Reads from a thread that is not writing take a connection of their own (one per thread, WAL readers
 see the last commit) and no lock, so a listing answered on the socket thread never waits behind a
 revocation's transaction or a VACUUM. `secure_delete` zeroes what a delete frees, so forgetting can
@@ -14,6 +18,7 @@ struct a caller names (`rows(sql, params, SessionRow)`), so no module passes `di
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -26,6 +31,9 @@ import msgspec
 from sandboxd.migrations import MIGRATIONS, Migration
 
 T = TypeVar("T")
+
+#: the longest a lazy commit waits for its fsync (the window a host crash, not a kill, can lose)
+FLUSH_S = 0.05
 
 
 def connect(path: Path | str) -> sqlite3.Connection:
@@ -48,7 +56,10 @@ class Database:
         self.lock = threading.RLock()
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
+        self._unsynced = threading.Event()
+        self._closed = threading.Event()
         self.migrate(migrations)
+        threading.Thread(target=self._flusher, name="sandboxd-wal-flush", daemon=True).start()
 
     @contextmanager
     def _writing(self) -> Iterator[sqlite3.Connection]:
@@ -77,24 +88,49 @@ class Database:
     # Transactions ------------------------------------------------------------------------------
 
     @contextmanager
-    def transaction(self, *, durable: bool = False) -> Iterator[Database]:
+    def transaction(self, *, durable: bool = False, lazy: bool = False) -> Iterator[Database]:
         """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception.
 
         Opened inside another transaction it joins it, unless `durable`: a write-ahead record (an effect's
-        intent) must reach the disk when its block ends, before the effect fires, so nesting it is refused."""
+        intent) must reach the disk when its block ends, before the effect fires, so nesting it is refused.
+        `lazy`: committed (it survives `kill -9`) but fsynced within `FLUSH_S` rather than before COMMIT
+        returns (see the module's docstring); joining a transaction, it takes that one's sync."""
         with self._writing():
             if self.conn.in_transaction:
                 if durable:
                     raise RuntimeError("a durable transaction was opened inside an open transaction")
                 yield self
                 return
-            self.conn.execute("BEGIN IMMEDIATE")
+            if lazy:
+                self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            self.conn.execute("COMMIT")
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+                self.conn.execute("COMMIT")
+            finally:
+                if lazy:
+                    self.conn.execute("PRAGMA synchronous=FULL")
+                    self._unsynced.set()
+
+    def _flusher(self) -> None:
+        """fsync the WAL after lazy commits, at most every FLUSH_S: many calls share one fsync."""
+        wal = f"{self.path}-wal"
+        while not self._closed.is_set():
+            self._unsynced.wait()
+            self._unsynced.clear()
+            try:
+                fd = os.open(wal, os.O_RDONLY)
+            except FileNotFoundError:  # checkpointed away (TRUNCATE) and synced by that checkpoint
+                continue
+            try:
+                os.fsync(fd)  # the inode's pages, whichever descriptor wrote them
+            finally:
+                os.close(fd)
+            self._closed.wait(FLUSH_S)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         """One statement under the lock (inside a transaction when it writes)."""
@@ -178,6 +214,8 @@ class Database:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
+        self._closed.set()
+        self._unsynced.set()
         with self.lock:
             for reader in self._readers:
                 reader.close()
