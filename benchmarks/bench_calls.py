@@ -6,18 +6,15 @@ replaces a `docker exec` per call with a socket round trip and a fork, and a cal
 committed to the WAL without waiting for an fsync (see sandboxd.db: they survive `kill -9` all the same).
 
     .venv/bin/python -m benchmarks.bench_calls [--n 200]
-    .venv/bin/python -m benchmarks.bench_calls --profile out/calls.svg   # py-spy flame graph of the daemon
+    SANDBOXD_PROFILE=out/calls.svg .venv/bin/python -m benchmarks.bench_calls   # py-spy flame graph
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import docker
 from benchmarks._harness import daemon, pct
@@ -29,7 +26,6 @@ READ_P50_MS, SHELL_P50_MS, RATIO = 0.5, 1.5, 25.0
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--profile", help="record the daemon with py-spy into this SVG while the bench runs")
     args = parser.parse_args()
     with daemon() as proc:
         client = proc.client()
@@ -47,13 +43,6 @@ def main() -> None:
         for _ in range(5):  # warm-up
             for call in calls.values():
                 assert call()
-        spy = None
-        if args.profile:
-            assert proc.proc is not None
-            spy = subprocess.Popen([shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy", "record", "--pid", str(proc.proc.pid),
-                                    "--output", args.profile, "--rate", "500", "--idle", "--threads",
-                                    *(["--format", "raw"] if not args.profile.endswith(".svg") else [])],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         timings: dict[str, list[float]] = {name: [] for name in calls} | {"docker exec (CLI)": []}
         # Interleaved, so machine noise hits every kind alike.
         for i in range(args.n):
@@ -66,9 +55,6 @@ def main() -> None:
                 subprocess.run(["docker", "exec", info.container, "/bin/sh", "-c", COMMAND], check=True,
                                capture_output=True)
                 timings["docker exec (CLI)"].append(time.perf_counter() - start)
-        if spy is not None:
-            spy.send_signal(2)  # SIGINT: py-spy writes the flame graph and exits
-            spy.wait(60)
     print(f"tool calls, n={args.n} each (CLI n={len(timings['docker exec (CLI)'])}), at the client")
     for name, samples in timings.items():
         print(f"  {name:20s} p50 {pct(samples, 50) * 1000:7.2f} ms   p95 {pct(samples, 95) * 1000:7.2f} ms")

@@ -2,10 +2,12 @@
 
 Writes go through one connection under one re-entrant lock, WAL mode and `synchronous=FULL`: a reply
 is sent only after its record is committed, so whatever the daemon acknowledged survives `kill -9`.
-A `lazy` transaction (a tool call's record: two per call, on the hot path) commits without the fsync:
-its frames are in the WAL file, in the kernel's page cache, before COMMIT returns, so it survives the
-daemon's `kill -9` all the same; the next FULL commit or the flusher's fsync, at most `FLUSH_S` later,
-makes it survive a host crash too. An fsync costs milliseconds; a call is meant to cost less.
+The fsync of a transaction comes after its COMMIT, outside that lock, and is shared by every
+transaction committed meanwhile (group commit, see `transaction`). A `lazy` transaction (a tool
+call's record: two per call, on the hot path) does not wait for it at all: its frames are in the WAL
+file, in the kernel's page cache, before COMMIT returns, so it survives the daemon's `kill -9` all the
+same; the next fsync, at most `FLUSH_S` later, makes it survive a host crash too. An fsync costs
+milliseconds here; a call is meant to cost less.
 Reads from a thread that is not writing take a connection of their own (one per thread, WAL readers
 see the last commit) and no lock, so a listing answered on the socket thread never waits behind a
 revocation's transaction or a VACUUM. `secure_delete` zeroes what a delete frees, so forgetting can
@@ -58,6 +60,11 @@ class Database:
         self._readers: list[sqlite3.Connection] = []
         self._unsynced = threading.Event()
         self._closed = threading.Event()
+        self._commits = 0
+        """Transactions committed so far (under the lock), and how many of them are known on disk."""
+        self._synced = 0
+        self._syncing = False
+        self._sync_cond = threading.Condition()
         self.migrate(migrations)
         threading.Thread(target=self._flusher, name="sandboxd-wal-flush", daemon=True).start()
 
@@ -89,20 +96,23 @@ class Database:
 
     @contextmanager
     def transaction(self, *, durable: bool = False, lazy: bool = False) -> Iterator[Database]:
-        """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception.
+        """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception. Durable when the block ends.
 
         Opened inside another transaction it joins it, unless `durable`: a write-ahead record (an effect's
         intent) must reach the disk when its block ends, before the effect fires, so nesting it is refused.
-        `lazy`: committed (it survives `kill -9`) but fsynced within `FLUSH_S` rather than before COMMIT
-        returns (see the module's docstring); joining a transaction, it takes that one's sync."""
+
+        Group commit: COMMIT writes the WAL without an fsync, under the lock; the fsync comes after the
+        lock is released, shared by every transaction committed meanwhile (`_sync`). So a session's
+        transaction never waits for another's fsync while holding the one writer's lock, and concurrent
+        revocations (a dozen transactions each) do not queue behind each other's disk flushes.
+        `lazy`: not even that wait; the flusher's fsync follows within `FLUSH_S` (see the module's docstring)."""
         with self._writing():
             if self.conn.in_transaction:
                 if durable:
                     raise RuntimeError("a durable transaction was opened inside an open transaction")
                 yield self
                 return
-            if lazy:
-                self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -112,24 +122,54 @@ class Database:
                     raise
                 self.conn.execute("COMMIT")
             finally:
-                if lazy:
-                    self.conn.execute("PRAGMA synchronous=FULL")
-                    self._unsynced.set()
+                # Statements outside a transaction (autocommit) keep the fsync of their own.
+                self.conn.execute("PRAGMA synchronous=FULL")
+            self._commits += 1
+            committed = self._commits
+        if lazy:
+            self._unsynced.set()
+        else:
+            self._sync(committed)
+
+    def _sync(self, upto: int) -> None:
+        """Return once the WAL is on disk up to commit number `upto`: join the fsync in flight if it covers
+        it, else start one covering every commit so far (the group)."""
+        with self._sync_cond:
+            while self._synced < upto:
+                if self._syncing:
+                    self._sync_cond.wait()
+                    continue
+                self._syncing = True
+                # Read without the writers' lock (a thread may hold it around its transaction and wait on
+                # this condition): a count that only grows, and every commit it counts has written the WAL.
+                group = self._commits
+                self._sync_cond.release()
+                try:
+                    self._fsync_wal()
+                finally:
+                    self._sync_cond.acquire()
+                    self._syncing = False
+                    self._synced = max(self._synced, group)
+                    self._sync_cond.notify_all()
+
+    def _fsync_wal(self) -> None:
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+        except FileNotFoundError:  # checkpointed away (TRUNCATE), which syncs what it checkpoints
+            return
+        try:
+            os.fsync(fd)  # the inode's pages, whichever descriptor wrote them
+        finally:
+            os.close(fd)
 
     def _flusher(self) -> None:
         """fsync the WAL after lazy commits, at most every FLUSH_S: many calls share one fsync."""
-        wal = f"{self.path}-wal"
         while not self._closed.is_set():
             self._unsynced.wait()
             self._unsynced.clear()
-            try:
-                fd = os.open(wal, os.O_RDONLY)
-            except FileNotFoundError:  # checkpointed away (TRUNCATE) and synced by that checkpoint
-                continue
-            try:
-                os.fsync(fd)  # the inode's pages, whichever descriptor wrote them
-            finally:
-                os.close(fd)
+            if self._closed.is_set():
+                return
+            self._sync(self._commits)
             self._closed.wait(FLUSH_S)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
