@@ -65,6 +65,9 @@ class Database:
         self._synced = 0
         self._syncing = False
         self._sync_cond = threading.Condition()
+        self._purges_begun = self._purges_done = 0
+        self._purging = False
+        self._purge_cond = threading.Condition()
         self.migrate(migrations)
         threading.Thread(target=self._flusher, name="sandboxd-wal-flush", daemon=True).start()
 
@@ -243,7 +246,29 @@ class Database:
         pages; what remains is the old page images in the WAL, which a TRUNCATE checkpoint removes.
         Rejected: VACUUM on every purge, which rewrites the whole database under the lock (seconds once
         many sessions share it) for nothing secure_delete has not already done.
+
+        Grouped like the fsyncs: one checkpoint begun after the caller's commits covers them all, so
+        revocations committing at once share a checkpoint instead of queueing one each behind the lock.
         """
+        with self._purge_cond:
+            # The checkpoint in flight, if any, may have begun before the caller's last write: the next one.
+            wanted = self._purges_begun + 1
+            while self._purges_done < wanted:
+                if self._purging:
+                    self._purge_cond.wait()
+                    continue
+                self._purging = True
+                self._purges_begun += 1
+                self._purge_cond.release()
+                try:
+                    self._checkpoint()
+                finally:
+                    self._purge_cond.acquire()
+                    self._purging = False
+                    self._purges_done = self._purges_begun
+                    self._purge_cond.notify_all()
+
+    def _checkpoint(self) -> None:
         with self._writing() as conn:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
