@@ -163,7 +163,8 @@ class Flusher:
     A store that writes without an fsync per file (`write_atomic(sync=False)`, an overlay mounted
     `volatile`) is already safe against a crash of the daemon: what it wrote is in the kernel. This
     bounds what a crash of the host can take to the last `interval_s`, and many operations share one
-    `syncfs`, off the path of the request."""
+    `syncfs`, off the path of the request. A second, not less: a `syncfs` in flight stalls the metadata
+    writes of the next take or restore on the same filesystem, and snapshots come in bursts."""
 
     _shared: Flusher | None = None
     _shared_guard = threading.Lock()
@@ -176,7 +177,7 @@ class Flusher:
                 cls._shared = cls()
             return cls._shared
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self, interval_s: float = 1.0) -> None:
         self.interval_s = interval_s
         self._dirty: set[Path] = set()
         self._guard = threading.Lock()

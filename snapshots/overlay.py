@@ -19,7 +19,7 @@ renames are atomic and what was written is in the kernel. So nothing on the path
 restore waits for the disk: the records are written without an fsync, and the overlay is mounted
 `volatile`, because unmounting a plain overlay syncs its upper filesystem (through the loop device,
 to the host's disk), which was most of the time of both. A `Flusher` syncs the session's filesystem
-at most 50 ms later, which is all a crash of the host can take (the quota image, having no journal,
+at most a second later, which is all a crash of the host can take (the quota image, having no journal,
 is checked with e2fsck before it is mounted again after one anyway). Needs root and a filesystem that can hold overlay
 upper directories (ext4, xfs, tmpfs).
 """
