@@ -53,6 +53,7 @@ pytest: $(STAMP) image browser postgres
 bench: $(STAMP) image
 	$(PY) -m benchmarks.bench_calls
 	$(PY) -m benchmarks.bench_snapshots
+	$(PY) -m benchmarks.bench_revoke_concurrent
 	$(PY) benchmarks/bench_firewall.py
 	$(PY) -m benchmarks.bench_revocation
 	$(PY) -m benchmarks.bench_console

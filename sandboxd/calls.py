@@ -227,8 +227,11 @@ class Calls:
         return self.db.structs("SELECT * FROM calls WHERE session_id = ? ORDER BY seq", [session_id], CallRow)
 
     def _begin(self, call_id: str, req: p.CallRequest, effect: str) -> None:
-        """Record a call as running before it runs (write-ahead); a write call makes the sandbox dirty."""
-        with self.db.transaction():
+        """Record a call as running before it runs (write-ahead); a write call makes the sandbox dirty.
+
+        Lazy commits, here and in `_finish`: in the WAL before the call runs or is answered, so a `kill -9`
+        loses neither; only a host crash within `FLUSH_S` could (see sandboxd.db)."""
+        with self.db.transaction(lazy=True):
             if effect == "write":
                 self.db.update("sessions", {"session_id": req.session_id}, env_snapshot=None)
             seq = self.db.value("SELECT COALESCE(MAX(seq), 0) + 1 FROM calls WHERE session_id = ?", [req.session_id])
@@ -253,7 +256,7 @@ class Calls:
             self._finish(session_id, call_id, "done", {"kind": "result", **result})
 
     def _finish(self, session_id: str, call_id: str, status: str, result: dict[str, Any]) -> None:
-        with self.db.transaction():
+        with self.db.transaction(lazy=True):
             self.db.update("calls", {"session_id": session_id, "call_id": call_id}, status=status,
                            result=json.dumps(result), finished_at=time.time())
 

@@ -2,6 +2,12 @@
 
 Writes go through one connection under one re-entrant lock, WAL mode and `synchronous=FULL`: a reply
 is sent only after its record is committed, so whatever the daemon acknowledged survives `kill -9`.
+The fsync of a transaction comes after its COMMIT, outside that lock, and is shared by every
+transaction committed meanwhile (group commit, see `transaction`). A `lazy` transaction (a tool
+call's record: two per call, on the hot path) does not wait for it at all: its frames are in the WAL
+file, in the kernel's page cache, before COMMIT returns, so it survives the daemon's `kill -9` all the
+same; the next fsync, at most `FLUSH_S` later, makes it survive a host crash too. An fsync costs
+milliseconds here; a call is meant to cost less.
 Reads from a thread that is not writing take a connection of their own (one per thread, WAL readers
 see the last commit) and no lock, so a listing answered on the socket thread never waits behind a
 revocation's transaction or a VACUUM. `secure_delete` zeroes what a delete frees, so forgetting can
@@ -18,6 +24,7 @@ writer at a time across every daemon on that database, as one SQLite file allows
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,6 +37,9 @@ import msgspec
 from sandboxd.migrations import MIGRATIONS, Migration
 
 T = TypeVar("T")
+
+#: the longest a lazy commit waits for its fsync (the window a host crash, not a kill, can lose)
+FLUSH_S = 0.05
 
 
 def connect(path: Path | str, node: str | None = None) -> Any:
@@ -63,7 +73,18 @@ class Database:
         self._local = threading.local()
         self._readers: list[Any] = []
         self._closing: list[Any] = []
+        self._unsynced = threading.Event()
+        self._closed = threading.Event()
+        self._commits = 0
+        """Transactions committed so far (under the lock), and how many of them are known on disk."""
+        self._synced = 0
+        self._syncing = False
+        self._sync_cond = threading.Condition()
+        self._purges_begun = self._purges_done = 0
+        self._purging = False
+        self._purge_cond = threading.Condition()
         self.migrate(migrations)
+        threading.Thread(target=self._flusher, name="sandboxd-wal-flush", daemon=True).start()
 
     @contextmanager
     def _writing(self) -> Iterator[sqlite3.Connection]:
@@ -116,24 +137,82 @@ class Database:
     # Transactions ------------------------------------------------------------------------------
 
     @contextmanager
-    def transaction(self, *, durable: bool = False) -> Iterator[Database]:
-        """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception.
+    def transaction(self, *, durable: bool = False, lazy: bool = False) -> Iterator[Database]:
+        """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception. Durable when the block ends.
 
         Opened inside another transaction it joins it, unless `durable`: a write-ahead record (an effect's
-        intent) must reach the disk when its block ends, before the effect fires, so nesting it is refused."""
+        intent) must reach the disk when its block ends, before the effect fires, so nesting it is refused.
+
+        Group commit: COMMIT writes the WAL without an fsync, under the lock; the fsync comes after the
+        lock is released, shared by every transaction committed meanwhile (`_sync`). So a session's
+        transaction never waits for another's fsync while holding the one writer's lock, and concurrent
+        revocations (a dozen transactions each) do not queue behind each other's disk flushes.
+        `lazy`: not even that wait; the flusher's fsync follows within `FLUSH_S` (see the module's docstring)."""
         with self._writing():
             if self.conn.in_transaction:
                 if durable:
                     raise RuntimeError("a durable transaction was opened inside an open transaction")
                 yield self
                 return
-            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            self.conn.execute("COMMIT")
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+                self.conn.execute("COMMIT")
+            finally:
+                # Statements outside a transaction (autocommit) keep the fsync of their own.
+                self.conn.execute("PRAGMA synchronous=FULL")
+            self._commits += 1
+            committed = self._commits
+        if lazy:
+            self._unsynced.set()
+        else:
+            self._sync(committed)
+
+    def _sync(self, upto: int) -> None:
+        """Return once the WAL is on disk up to commit number `upto`: join the fsync in flight if it covers
+        it, else start one covering every commit so far (the group)."""
+        with self._sync_cond:
+            while self._synced < upto:
+                if self._syncing:
+                    self._sync_cond.wait()
+                    continue
+                self._syncing = True
+                # Read without the writers' lock (a thread may hold it around its transaction and wait on
+                # this condition): a count that only grows, and every commit it counts has written the WAL.
+                group = self._commits
+                self._sync_cond.release()
+                try:
+                    self._fsync_wal()
+                finally:
+                    self._sync_cond.acquire()
+                    self._syncing = False
+                    self._synced = max(self._synced, group)
+                    self._sync_cond.notify_all()
+
+    def _fsync_wal(self) -> None:
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+        except FileNotFoundError:  # checkpointed away (TRUNCATE), which syncs what it checkpoints
+            return
+        try:
+            os.fsync(fd)  # the inode's pages, whichever descriptor wrote them
+        finally:
+            os.close(fd)
+
+    def _flusher(self) -> None:
+        """fsync the WAL after lazy commits, at most every FLUSH_S: many calls share one fsync."""
+        while not self._closed.is_set():
+            self._unsynced.wait()
+            self._unsynced.clear()
+            if self._closed.is_set():
+                return
+            self._sync(self._commits)
+            self._closed.wait(FLUSH_S)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         """One statement under the lock (inside a transaction when it writes)."""
@@ -210,7 +289,29 @@ class Database:
         pages; what remains is the old page images in the WAL, which a TRUNCATE checkpoint removes.
         Rejected: VACUUM on every purge, which rewrites the whole database under the lock (seconds once
         many sessions share it) for nothing secure_delete has not already done.
+
+        Grouped like the fsyncs: one checkpoint begun after the caller's commits covers them all, so
+        revocations committing at once share a checkpoint instead of queueing one each behind the lock.
         """
+        with self._purge_cond:
+            # The checkpoint in flight, if any, may have begun before the caller's last write: the next one.
+            wanted = self._purges_begun + 1
+            while self._purges_done < wanted:
+                if self._purging:
+                    self._purge_cond.wait()
+                    continue
+                self._purging = True
+                self._purges_begun += 1
+                self._purge_cond.release()
+                try:
+                    self._checkpoint()
+                finally:
+                    self._purge_cond.acquire()
+                    self._purging = False
+                    self._purges_done = self._purges_begun
+                    self._purge_cond.notify_all()
+
+    def _checkpoint(self) -> None:
         with self._writing() as conn:
             if self.url is not None:
                 self.conn.purge()  # no secure_delete there: see `sandboxd.pg`
@@ -224,6 +325,8 @@ class Database:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
+        self._closed.set()
+        self._unsynced.set()
         with self.lock:
             for reader in [*self._readers, *self._closing]:
                 reader.close()

@@ -86,6 +86,10 @@ class Server:
             raise ValueError(f"{config.endpoint} is served with CURVE only: load the server's keys first")
         self.keys = keys
         self._parked: list[_Parked] = []
+        self._pushes = threading.local()
+        self._push_sockets: list[zmq.Socket[bytes]] = []
+        self._waiting: frozenset[str] = frozenset()
+        """Sessions with a parked long-poll (written by the socket thread only, replaced whole)."""
         service.events.listen(self._wake)
 
     def stop(self) -> None:
@@ -122,6 +126,8 @@ class Server:
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._forward_replies(replies, listeners)
+            for push in self._push_sockets:  # their workers are gone: no thread uses them any more
+                push.close(linger=5000)
             for parked in self._parked:  # stopping: every waiter hears now, rather than at its timeout
                 listeners[parked.index].socket.send_multipart(
                     [*parked.envelope, p.encode(self.service.no_events(parked.request))])
@@ -205,6 +211,8 @@ class Server:
 
     def _park(self, index: int, envelope: list[bytes], request: p.WaitEventsRequest, peer: Peer,
               router: zmq.Socket[bytes]) -> None:
+        # Waiting before looking: an event published after the look finds the session here and wakes it.
+        self._waiting = self._waiting | {request.session_id}
         reply = self.service.wait_events(request, peer)
         if reply is not None:
             router.send_multipart([*envelope, p.encode(reply)])
@@ -223,10 +231,17 @@ class Server:
                 waiting.append(parked)
             else:
                 listeners[parked.index].socket.send_multipart([*parked.envelope, p.encode(reply)])
+        answered = len(waiting) != len(self._parked)
         self._parked = waiting
+        if answered:
+            self._waiting = frozenset(parked.request.session_id for parked in waiting)
 
     def _wake(self, session_id: str) -> None:
-        """Called by the thread that published an event: the socket thread answers the session's waiters."""
+        """Called by the thread that published an event: the socket thread answers the session's waiters.
+
+        Only when the session has one: a socket per wake costs more than the tool call that published it."""
+        if session_id not in self._waiting:
+            return
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(_WAKES)
@@ -240,10 +255,14 @@ class Server:
             # A broken invariant: stop loudly rather than keep serving from a state we do not trust.
             log.critical("invariant broken; exiting", exc_info=True)
             os._exit(70)
-        # A socket per reply: inproc connects cost microseconds, and no socket outlives its thread
-        # to block the context's shutdown.
-        push = self.ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 5000)
-        push.connect(_REPLIES)
-        push.send_multipart([bytes([index]), *envelope, p.encode(reply)])
-        push.close()
+        self._push().send_multipart([bytes([index]), *envelope, p.encode(reply)])
+
+    def _push(self) -> zmq.Socket[bytes]:
+        """This worker's socket to the socket thread, made once per worker: a socket per reply cost more
+        (~65 us) than the rest of a read call's daemon side. Closed after the pool has stopped."""
+        push: zmq.Socket[bytes] | None = getattr(self._pushes, "socket", None)
+        if push is None:
+            push = self._pushes.socket = self.ctx.socket(zmq.PUSH)
+            push.connect(_REPLIES)
+            self._push_sockets.append(push)
+        return push

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import abc
 import builtins
+import ctypes
 import json
 import os
 import re
 import stat
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -62,14 +65,20 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write a file so that a crash leaves either the old file or the new one, never half of it."""
+def write_atomic(path: Path, write: Callable[[BinaryIO], object], *, sync: bool = True) -> None:
+    """Write a file so that a crash leaves either the old file or the new one, never half of it.
+
+    `sync=False`: atomic against a crash of the process (the rename is), not of the host: for a caller
+    that syncs the whole filesystem itself soon after (see `overlay.Flusher`)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         write(fh)
         fh.flush()
-        os.fsync(fh.fileno())
+        if sync:
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
+    if not sync:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -77,8 +86,8 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
         os.close(dir_fd)
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    write_atomic(path, lambda fh: fh.write(json.dumps(value).encode()))
+def write_json_atomic(path: Path, value: Any, *, sync: bool = True) -> None:
+    write_atomic(path, lambda fh: fh.write(json.dumps(value).encode()), sync=sync)
 
 
 class SnapshotStore(abc.ABC):
@@ -167,3 +176,61 @@ class SnapshotStore(abc.ABC):
     def clone(self, source: str, target: str, snapshots: dict[str, str]) -> None:
         """Copy snapshots of workspace `source` into workspace `target`, each under its new id (old -> new)."""
         raise SnapshotError(f"{type(self).__name__} cannot copy snapshots between workspaces")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Flusher:
+    """Syncs the filesystems of paths handed to `soon`, at most `interval_s` later, on a thread of its own.
+
+    A store that writes without an fsync per file (`write_atomic(sync=False)`, an overlay mounted
+    `volatile`) is already safe against a crash of the daemon: what it wrote is in the kernel. This
+    bounds what a crash of the host can take to the last `interval_s`, and many operations share one
+    `syncfs`, off the path of the request. A second, not less: a `syncfs` in flight stalls the metadata
+    writes of the next take or restore on the same filesystem, and snapshots come in bursts."""
+
+    _shared: Flusher | None = None
+    _shared_guard = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Flusher:
+        """The process's one flusher (its thread lives as long as the process)."""
+        with cls._shared_guard:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._dirty: set[Path] = set()
+        self._guard = threading.Lock()
+        self._wake = threading.Event()
+        threading.Thread(target=self._run, name="snapshots-flush", daemon=True).start()
+
+    def soon(self, path: Path) -> None:
+        with self._guard:
+            self._dirty.add(path)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._guard:
+                dirty, self._dirty = self._dirty, set()
+            for path in dirty:
+                syncfs(path)
+            time.sleep(self.interval_s)
+
+
+def syncfs(path: Path) -> None:
+    """Flush the filesystem holding `path` (gone already: nothing to flush)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        _libc.syncfs(fd)
+    finally:
+        os.close(fd)

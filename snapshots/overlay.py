@@ -14,7 +14,13 @@ Rejected: `docker commit` per snapshot (copies the whole diff every time, ~0.4 s
 hard-link trees (a tool writing a file in place would corrupt the snapshot sharing its inode).
 
 Crash safety: a take writes the snapshot record before renaming the upper, and the live stack after;
-`recover` settles each crash point (see there). Needs root and a filesystem that can hold overlay
+`recover` settles each crash point (see there). Against a crash of the daemon that is all it takes:
+renames are atomic and what was written is in the kernel. So nothing on the path of a take or a
+restore waits for the disk: the records are written without an fsync, and the overlay is mounted
+`volatile`, because unmounting a plain overlay syncs its upper filesystem (through the loop device,
+to the host's disk), which was most of the time of both. A `Flusher` syncs the session's filesystem
+at most a second later, which is all a crash of the host can take (the quota image, having no journal,
+is checked with e2fsck before it is mounted again after one anyway). Needs root and a filesystem that can hold overlay
 upper directories (ext4, xfs, tmpfs).
 """
 
@@ -32,6 +38,7 @@ import uuid
 from pathlib import Path
 
 from snapshots.base import (
+    Flusher,
     RestoreResult,
     SnapshotError,
     SnapshotRecord,
@@ -96,6 +103,7 @@ class OverlaySnapshotStore(SnapshotStore):
         self.mounts.mkdir(parents=True, exist_ok=True)
         self.layers.mkdir(parents=True, exist_ok=True)
         self._ensure_shared()
+        self.flusher = Flusher.shared()
 
     # Paths -------------------------------------------------------------------------------------
 
@@ -125,9 +133,10 @@ class OverlaySnapshotStore(SnapshotStore):
         for sub in ("base", "upper"):
             os.chown(d / sub, *owner)
             os.chmod(d / sub, 0o755)
-        write_json_atomic(d / "stack.json", ["base"])
+        write_json_atomic(d / "stack.json", ["base"], sync=False)
         self._ws(workspace).mkdir(parents=True)
         self._mount_stack(workspace, ["base"])
+        self.flusher.soon(d)
         return self.mount_root(workspace)
 
     def take(self, workspace: str, snapshot_id: str) -> TakeResult:
@@ -141,18 +150,19 @@ class OverlaySnapshotStore(SnapshotStore):
         )
         if (self._records(workspace) / f"{snapshot_id}.json").exists():
             raise SnapshotError(f"snapshot {snapshot_id!r} already exists")
-        write_json_atomic(self._records(workspace) / f"{snapshot_id}.json", _record_json(record))
+        write_json_atomic(self._records(workspace) / f"{snapshot_id}.json", _record_json(record), sync=False)
         _umount(str(self._ws(workspace)))
         os.rename(d / "upper", d / snapshot_id)
         flattened = False
         if self._too_deep(workspace, list(record.layers)):
             record = self._flatten(workspace, record)
             flattened = True
-        write_json_atomic(d / "stack.json", list(record.layers))
+        write_json_atomic(d / "stack.json", list(record.layers), sync=False)
         self._fresh_upper(workspace, record.layers[0])
         self._mount_stack(workspace, list(record.layers))
         if flattened:
             self._collect_layers(workspace)
+        self.flusher.soon(d)
         return TakeResult(record=record, elapsed_ms=(time.monotonic() - started) * 1000, flattened=flattened)
 
     def restore(self, workspace: str, snapshot_id: str) -> RestoreResult:
@@ -163,13 +173,14 @@ class OverlaySnapshotStore(SnapshotStore):
         trash = d / f"trash-{uuid.uuid4().hex[:8]}"
         # Until the intent is gone, `recover` undoes the restore: a crash between dropping the upper and
         # writing the new stack would otherwise remount the old stack without its upper, a mix of neither.
-        write_json_atomic(d / _RESTORING, {"stack": self._stack(workspace), "trash": trash.name})
+        write_json_atomic(d / _RESTORING, {"stack": self._stack(workspace), "trash": trash.name}, sync=False)
         os.rename(d / "upper", trash)
-        write_json_atomic(d / "stack.json", list(record.layers))
+        write_json_atomic(d / "stack.json", list(record.layers), sync=False)
         self._fresh_upper(workspace, record.layers[0])
         self._mount_stack(workspace, list(record.layers))
         (d / _RESTORING).unlink()
         _erase_tree(trash)
+        self.flusher.soon(d)
         return RestoreResult(workspace=workspace, snapshot_id=snapshot_id,
                              elapsed_ms=(time.monotonic() - started) * 1000)
 
@@ -267,6 +278,10 @@ class OverlaySnapshotStore(SnapshotStore):
             view.rmdir()
         for trash in d.glob("trash-*"):
             _erase_tree(trash)
+        # A volatile overlay leaves work/work/incompat/volatile behind, and refuses to mount on it again:
+        # the work directory is the overlay's scratch, empty whenever nothing is mounted on it.
+        shutil.rmtree(d / "work", ignore_errors=True)
+        (d / "work").mkdir()
         self._ws(workspace).mkdir(parents=True, exist_ok=True)
         self._mount_stack(workspace, self._stack(workspace))
         self._collect_layers(workspace)
@@ -366,7 +381,7 @@ class OverlaySnapshotStore(SnapshotStore):
     def _options(self, workspace: str, stack: builtins.list[str]) -> str:
         d = self._dir(workspace)
         lower = ":".join(str(d / layer) for layer in stack)
-        return f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'}"
+        return f"lowerdir={lower},upperdir={d / 'upper'},workdir={d / 'work'},volatile"
 
     def _too_deep(self, workspace: str, stack: builtins.list[str]) -> bool:
         return len(stack) > self.max_layers or len(self._options(workspace, stack)) > _MAX_OPTIONS

@@ -100,10 +100,20 @@ def _expose_to_oom_killer(pid: int) -> None:
         pass
 
 
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when `pid` exits, or None where the kernel (or gVisor) has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float,
                  emit: Any = None) -> tuple[bytes, bytes, dict[str, int]]:
     """Drain stdout/stderr up to `cap` bytes each until exit or deadline; returns both and their full sizes.
 
+    The tool's exit is an event of the same select (a pidfd), not something polled for: Popen.wait with
+    a timeout sleeps in steps of 0.5 to 50 ms, which was most of a short call's time.
     With `emit`, every chunk is also handed to it as it comes, as text (stream, text)."""
     bufs = {"out": bytearray(), "err": bytearray()}
     sizes = {"out": 0, "err": 0}
@@ -112,30 +122,45 @@ def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float,
     assert proc.stdout is not None and proc.stderr is not None
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    pidfd = _pidfd(proc.pid)
+    if pidfd is not None:
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
     exited = False
-    while sel.get_map() and (remaining := deadline - time.monotonic()) > 0:
-        # Poll for exit too: a backgrounded grandchild may hold the pipes open after the tool ends.
-        for key, _ in sel.select(timeout=min(remaining, 0.05)):
-            chunk = os.read(key.fd, 65536)
-            if not chunk:
-                sel.unregister(key.fileobj)
-                continue
-            buf = bufs[key.data]
-            room = cap - len(buf)
-            if room > 0:
-                buf.extend(chunk[:room])
-            sizes[key.data] += len(chunk)
-            if emit is not None:
-                emit(key.data, decoders[key.data].decode(chunk))
-        if not exited and proc.poll() is not None:
-            exited = True
-            deadline = min(deadline, time.monotonic() + 0.1)
-    if not sel.get_map() and not exited:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            pass
-    sel.close()
+
+    def waiting() -> bool:  # a pipe still open, or (with a pidfd) the tool not yet exited
+        return any(key.data != "exit" for key in sel.get_map().values()) or (pidfd is not None and not exited)
+
+    try:
+        while waiting() and (remaining := deadline - time.monotonic()) > 0:
+            # Without a pidfd, poll for exit too: a backgrounded grandchild may hold the pipes open after
+            # the tool ends.
+            for key, _ in sel.select(timeout=remaining if pidfd is not None else min(remaining, 0.05)):
+                if key.data == "exit":
+                    sel.unregister(key.fileobj)
+                    continue
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.data]
+                room = cap - len(buf)
+                if room > 0:
+                    buf.extend(chunk[:room])
+                sizes[key.data] += len(chunk)
+                if emit is not None:
+                    emit(key.data, decoders[key.data].decode(chunk))
+            if not exited and (pidfd is None or pidfd not in sel.get_map()) and proc.poll() is not None:
+                exited = True
+                deadline = min(deadline, time.monotonic() + 0.1)
+        if pidfd is None and not sel.get_map() and not exited:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
     return bytes(bufs["out"]), bytes(bufs["err"]), sizes
 
 
@@ -249,7 +274,8 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
             argv,
             cwd=cwd,
             env=env,
-            stdin=subprocess.PIPE,
+            # Nothing to feed: no pipe and no feeder thread (starting one is a context switch per call).
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -259,9 +285,9 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
         if script is not None:
             os.close(script)
     _expose_to_oom_killer(proc.pid)
-    assert proc.stdin is not None
     try:
-        threading.Thread(target=_feed_stdin, args=(proc.stdin, stdin), daemon=True).start()
+        if proc.stdin is not None:
+            threading.Thread(target=_feed_stdin, args=(proc.stdin, stdin), daemon=True).start()
     except RuntimeError as exc:  # no pid left for a thread: the sandbox is at its pids limit
         _kill_group(proc)
         proc.wait()

@@ -184,6 +184,38 @@ def test_kill_during_a_long_call(crashable: DaemonProcess, engine: docker.Docker
     assert all(c.status == "running" for c in labelled)
 
 
+@pytest.mark.parametrize("seed", [SEED, SEED + 1])
+def test_every_answered_call_survives_a_kill_right_after_its_answer(crashable: DaemonProcess, seed: int) -> None:
+    """A call's records are committed to the WAL without waiting for an fsync (group commit, sandboxd.db):
+    a `kill -9` the moment after an answer, long before any fsync could follow, loses none of them."""
+    rng = random.Random(seed)
+    daemon = crashable
+    sid = daemon.client().open_session().session_id
+    wire = Wire(daemon)
+    answered: dict[str, str] = {}
+    tools = [("shell", lambda i: {"command": f"echo {i}"}),
+             ("write_file", lambda i: {"path": f"f{i % 3}.txt", "content": f"{i}\n"}),
+             ("read_file", lambda i: {"path": "before.txt"})]
+    wire.ask(p.CallRequest(request_id=rid(), session_id=sid, tool="write_file",
+                           args={"path": "before.txt", "content": "kept"}))
+    calls = []
+    for i in range(rng.randint(3, 12)):
+        tool, args = rng.choice(tools)
+        calls.append((f"c{seed}-{i}", tool, args(i)))
+    for call_id, tool, args in calls:
+        reply = wire.ask(p.CallRequest(request_id=rid(), session_id=sid, tool=tool, args=args, call_id=call_id))
+        answered[call_id] = reply.result.stdout
+    daemon.kill()  # straight after the last answer: no flusher has run for it yet
+    wire.close()
+
+    client = restart_after_kill(daemon)
+    for call_id, tool, args in calls:
+        again = client.call(sid, tool, args, call_id=call_id)
+        assert again.replayed, f"{call_id} ran a second time: its record was lost"
+        assert again.stdout == answered[call_id]
+    assert {c.call_id for c in client.calls(sid)} >= set(answered)
+
+
 # (b) snapshots -------------------------------------------------------------------------------------
 
 

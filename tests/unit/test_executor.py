@@ -203,3 +203,32 @@ def test_a_shell_command_of_any_size_runs_as_one_command(
         executor._workspace.reset(token)
     assert reply["stdout"] == f"/bin/sh|{stdin.rstrip(chr(10))}|" and reply["exit_code"] == 3, reply["stderr"]
     assert list(ws.iterdir()) == []
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "no-pidfd"])
+@settings(max_examples=8, deadline=None)
+@given(code=st.integers(min_value=0, max_value=255), out=st.text(alphabet="abc xyz", max_size=40),
+       shape=st.sampled_from(["plain", "closes-pipes-first", "grandchild-holds-pipes", "stdin"]))
+def test_a_call_ends_with_its_tool_whichever_way_the_exit_is_seen(tmp_path_factory: pytest.TempPathFactory,
+                                                                   pidfd: bool, code: int, out: str,
+                                                                   shape: str) -> None:
+    """The tool's exit is a pidfd event where the kernel has pidfds, else polled for: either way a call ends
+    when its tool does (not at its timeout), with every byte it wrote and its exit code."""
+    ws = tmp_path_factory.mktemp("ws")
+    token = executor._workspace.set(str(ws))
+    saved = executor._pidfd
+    if not pidfd:
+        executor._pidfd = lambda _pid: None  # type: ignore[assignment]
+    try:
+        command = {"plain": f"printf '{out}'; exit {code}",
+                   "closes-pipes-first": f"printf '{out}'; exec >&- 2>&-; sleep 0.2; exit {code}",
+                   "grandchild-holds-pipes": f"printf '{out}'; (sleep 30 &); exit {code}",
+                   "stdin": f"cat; exit {code}"}[shape]
+        started = time.monotonic()
+        reply = executor.run_process({"argv": ["/bin/sh", "-c", command], "timeout": 20, "output_bytes": 1024,
+                                      "stdin": out if shape == "stdin" else ""})
+        assert time.monotonic() - started < 10
+        assert (reply["exit_code"], reply["stdout"], reply["timed_out"]) == (code, out, False)
+    finally:
+        executor._pidfd = saved  # type: ignore[assignment]
+        executor._workspace.reset(token)

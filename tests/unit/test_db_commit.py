@@ -1,0 +1,150 @@
+"""Group commit and grouped purges of the state database: what one session's transaction waits for.
+
+A transaction's fsync happens after its COMMIT and outside the writers' lock, so another thread's
+transaction commits while the first still waits for the disk; purges asked for while one is in flight
+share the next checkpoint. Both are shown by holding one party inside its fsync or checkpoint (an
+event, not a timing) and watching the others go on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sandboxd.db import Database
+from sandboxd.migrations import Migration
+
+SCHEMA = [Migration(1, "test", ["CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT)"])]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Database:
+    return Database(tmp_path / "state.db", SCHEMA)
+
+
+def in_thread(action: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=action, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.001)
+
+
+def test_a_transaction_commits_while_another_waits_for_its_fsync(db: Database,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    real, held, release = db._fsync_wal, threading.Event(), threading.Event()
+    fsyncs: list[str] = []
+
+    def slow_fsync() -> None:
+        fsyncs.append(threading.current_thread().name)
+        if threading.current_thread().name == "first":
+            held.set()
+            assert release.wait(30)
+        real()
+
+    monkeypatch.setattr(db, "_fsync_wal", slow_fsync)
+
+    def first() -> None:
+        with db.transaction():
+            db.execute("INSERT INTO t VALUES (1, 'a')")
+
+    a = threading.Thread(target=first, name="first", daemon=True)
+    a.start()
+    assert held.wait(30)
+    # The first transaction is committed and waiting for the disk: the writers' lock is free.
+    with db.transaction(lazy=True):
+        db.execute("INSERT INTO t VALUES (2, 'b')")
+    assert a.is_alive()
+    assert db.value("SELECT COUNT(*) FROM t") == 2
+    release.set()
+    a.join(30)
+    assert not a.is_alive()
+    assert db._synced >= 1
+
+
+@settings(max_examples=10, deadline=None)
+@given(writers=st.integers(min_value=2, max_value=8))
+def test_transactions_committed_during_an_fsync_share_the_next_one(tmp_path_factory: pytest.TempPathFactory,
+                                                                   writers: int) -> None:
+    db = Database(tmp_path_factory.mktemp("db") / "state.db", SCHEMA)
+    real, held, release = db._fsync_wal, threading.Event(), threading.Event()
+    fsyncs = 0
+
+    def counted() -> None:
+        nonlocal fsyncs
+        fsyncs += 1
+        if fsyncs == 1:
+            held.set()
+            assert release.wait(30)
+        real()
+
+    db._fsync_wal = counted  # type: ignore[method-assign]
+    before = db._commits  # the migrations'
+
+    def write(k: int) -> Callable[[], None]:
+        def run() -> None:
+            with db.transaction():
+                db.execute("INSERT INTO t VALUES (?, 'x')", [k])
+        return run
+
+    first = in_thread(write(0))
+    assert held.wait(30)
+    others = [in_thread(write(k)) for k in range(1, writers + 1)]
+    # Every other writer has committed and waits on the fsync in flight, which began before its commit.
+    wait_for(lambda: db._commits == before + writers + 1 and len(db._sync_cond._waiters) == writers,  # type: ignore[attr-defined]
+             "all writers committed and waiting")
+    release.set()
+    for thread in [first, *others]:
+        thread.join(30)
+        assert not thread.is_alive()
+    assert fsyncs == 2, fsyncs  # the held one, then one for all the others
+    assert db._synced == before + writers + 1
+    db.close()
+
+
+@settings(max_examples=10, deadline=None)
+@given(callers=st.integers(min_value=2, max_value=8))
+def test_purges_asked_for_during_a_checkpoint_share_the_next_one(tmp_path_factory: pytest.TempPathFactory,
+                                                                 callers: int) -> None:
+    db = Database(tmp_path_factory.mktemp("db") / "state.db", SCHEMA)
+    real, held, release = db._checkpoint, threading.Event(), threading.Event()
+    began: list[int] = []
+
+    def counted() -> None:
+        began.append(db.value("SELECT COUNT(*) FROM t"))
+        if len(began) == 1:
+            held.set()
+            assert release.wait(30)
+        real()
+
+    db._checkpoint = counted  # type: ignore[method-assign]
+    first = in_thread(db.purge)
+    assert held.wait(30)
+
+    def write_then_purge(k: int) -> Callable[[], None]:
+        def run() -> None:
+            with db.transaction():
+                db.execute("INSERT INTO t VALUES (?, 'x')", [k])
+            db.purge()
+        return run
+
+    others = [in_thread(write_then_purge(k)) for k in range(callers)]
+    wait_for(lambda: len(db._purge_cond._waiters) == callers, "every caller waiting")  # type: ignore[attr-defined]
+    release.set()
+    for thread in [first, *others]:
+        thread.join(30)
+        assert not thread.is_alive()
+    # The first checkpoint began before their writes; the second, shared, after all of them.
+    assert began == [0, callers]
+    db.close()
