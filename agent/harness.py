@@ -7,6 +7,7 @@ that counts what it receives, and a web server on loopback that serves the pages
 from __future__ import annotations
 
 import email
+import json
 import socket
 import threading
 from collections.abc import Callable
@@ -54,10 +55,15 @@ class MailSink:
 
 
 class Web:
-    """A web server on loopback serving fixed pages (the outside world a read tool fetches)."""
+    """A web server on loopback serving fixed pages (the outside world a read tool fetches).
 
-    def __init__(self, pages: dict[str, str], port: int = 0) -> None:
+    With `name`, its URLs are `http://NAME/...` and `daemon_config` has the daemon's firewall resolve the
+    name to this server's port (the fixture model was trained on one name; the port is any free one).
+    """
+
+    def __init__(self, pages: dict[str, str], port: int = 0, name: str | None = None) -> None:
         self.pages = pages
+        self.name = name
         web = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,7 +83,7 @@ class Web:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"http://{self.name}{path}" if self.name else f"http://127.0.0.1:{self.port}{path}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -86,10 +92,12 @@ class Web:
 
 def daemon_config(path: Path, mail: MailSink, web: Web, release: str = "immediate") -> Path:
     """A daemon configuration whose firewall reaches this world."""
+    hosts = [f"127.0.0.1:{web.port}", *([web.name] if web.name else [])]
+    resolve = f"resolve = {{ \"{web.name}:80\" = \"127.0.0.1:{web.port}\" }}\n" if web.name else ""
     path.write_text(
         "[firewall]\nadapter_timeout_s = 5.0\n"
         f"[firewall.smtp]\nhost = \"127.0.0.1\"\nport = {mail.port}\n"
-        f"[firewall.http]\nallowlist = [\"127.0.0.1:{web.port}\"]\n"
+        f"[firewall.http]\nallowlist = {json.dumps(hosts)}\n{resolve}"
         f"[firewall.release]\nsend_email = \"{release}\"\n"
     )
     return path

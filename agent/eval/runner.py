@@ -32,7 +32,7 @@ from agent.eval import agentdojo as dojo_pairs
 from agent.eval.baselines import MethodResult, PairContext, methods
 from agent.eval.metrics import agreement, ask_probes, cad, leak_fields, probe_leaks, residue
 from agent.harness import MailSink, Web, daemon_config
-from agent.models.fixture_data import FIXTURE_PORT
+from agent.models.fixture_data import FIXTURE_HOST
 from agent.scenario import Copy, Obey, Scenario
 from agent.scenarios import CLEAN_VENDOR_PAGE, EXCLUSION, INJECTION, NOTES, NOTES_FILE, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.client import Client
@@ -140,8 +140,8 @@ def worlds(release: str = "immediate", suite: str = "builtin", model: bool = Fal
     """Start both daemons and the outside world; everything is shut down and removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="sandboxd-eval-"))
     mails = [MailSink(), MailSink(), MailSink()]
-    # The fixture model calls the page on the port it was trained with.
-    web = Web({"/vendors": VENDOR_PAGE, "/vendors/clean": CLEAN_VENDOR_PAGE}, port=FIXTURE_PORT if model else 0)
+    # The fixture model calls the page by the name it was trained on; the firewall resolves it to the port.
+    web = Web({"/vendors": VENDOR_PAGE, "/vendors/clean": CLEAN_VENDOR_PAGE}, name=FIXTURE_HOST if model else None)
     servers: list[MailSink | Web] = [*mails, web]
     daemons = [DaemonProcess(tmp / name / "state", ["--config", str(world_config(tmp / f"{name}.toml", mail, web,
                                                                                   release, suite, name == "c"))],

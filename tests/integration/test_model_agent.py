@@ -14,7 +14,7 @@ import pytest
 from agent.backends import run_agent
 from agent.compare import agreement, final_state
 from agent.harness import MailSink, Web, daemon_config, run_model_session
-from agent.models.fixture_data import FIXTURE_PORT
+from agent.models.fixture_data import FIXTURE_HOST
 from agent.revocation import apply, apply_pending
 from agent.scenarios import INJECTION, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.launcher import DaemonProcess
@@ -26,7 +26,7 @@ FIXTURE = Path(__file__).resolve().parents[2] / "agent" / "models" / "fixture"
 
 @pytest.fixture
 def world() -> Iterator[tuple[MailSink, MailSink, Web]]:
-    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, port=FIXTURE_PORT)
+    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, name=FIXTURE_HOST)
     yield mail, ref_mail, web
     for server in (mail, ref_mail, web):
         server.close()

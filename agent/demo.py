@@ -27,7 +27,7 @@ import msgspec
 
 from agent.compare import agreement, counterfactual_artifact_distance, final_state
 from agent.harness import MailSink, Web, daemon_config, run_model_session
-from agent.models.fixture_data import FIXTURE_PORT
+from agent.models.fixture_data import FIXTURE_HOST
 from agent.revocation import apply_pending
 from agent.runtime import AgentSession
 from agent.scenarios import VENDOR_PAGE, WORKSPACE, finance
@@ -41,7 +41,7 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     state = (OUT / "demo-state").resolve()
     shutil.rmtree(state, ignore_errors=True)
-    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, port=FIXTURE_PORT)
+    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, name=FIXTURE_HOST)
     daemon = DaemonProcess(state, ["--config", str(daemon_config(OUT / "demo-sandboxd.toml", mail, web))],
                            log=OUT / "demo-daemon.log")
     # The reference runs in a world of its own, so its email does not land in the first world's sink.
