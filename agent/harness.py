@@ -138,15 +138,22 @@ def run_model_session(client: Client, scenario: Scenario, files: dict[str, str],
                       forget: list[str] | None = None, backend: Any = None, echo: Any = None) -> AgentSession:
     """Open a sandbox session, seed it, and let a model play the scenario's inputs (free generation, greedy).
 
+    A scenario that compacts (`compact_every` > 0) is refused before any session opens: see
+    `agent.runtime.COMPACTION_REFUSED`.
+
     The model directory is loaded as a user's would be (`from_pretrained` on its path), its own chat
     template lays the context out, and its turns are read in the Qwen2.5 / Hermes tool-call format.
     """
+    if scenario.compact_every:
+        from agent.runtime import COMPACTION_REFUSED
+
+        raise ValueError(COMPACTION_REFUSED)
     session_id = client.open_session(forget=forget).session_id
     seed_workspace(client, session_id, files)
     engine = backend or LocalBackend.from_pretrained(model)
     agent = AgentSession(client, session_id, engine, system=scenario.system,
                          chat=lambda tools: ChatRenderer.from_dir(model, tools), toolcall_format="hermes",
-                         max_turn_tokens=384, echo=echo)
+                         max_turn_tokens=384, echo=echo, compact_every=scenario.compact_every)
     agent.start(exogenous_inputs(scenario))
     agent.run()
     return agent

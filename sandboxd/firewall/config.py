@@ -108,7 +108,11 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             parse_host_entry(entry)
         for name, address in self.resolve.items():
             for entry in (name, address):
-                if parse_host_entry(entry).port is None:
+                try:
+                    port = parse_host_entry(entry).port
+                except ValueError as exc:
+                    raise ValueError(f"resolve entry {name!r} = {address!r}: {exc}") from exc
+                if port is None:
                     raise ValueError(f"resolve entry {name!r} = {address!r}: both sides need a port (host:port)")
 
     def resolved(self) -> dict[tuple[str, int], tuple[str, int]]:
