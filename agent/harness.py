@@ -135,7 +135,8 @@ FIXTURE = Path(__file__).resolve().parent / "models" / "fixture"
 
 
 def run_model_session(client: Client, scenario: Scenario, files: dict[str, str], *, model: Path = FIXTURE,
-                      forget: list[str] | None = None, backend: Any = None, echo: Any = None) -> AgentSession:
+                      forget: list[str] | None = None, backend: Any = None, echo: Any = None,
+                      setup: Callable[[Client, str], object] | None = None) -> AgentSession:
     """Open a sandbox session, seed it, and let a model play the scenario's inputs (free generation, greedy).
 
     A scenario that compacts (`compact_every` > 0) is refused before any session opens: see
@@ -143,6 +144,7 @@ def run_model_session(client: Client, scenario: Scenario, files: dict[str, str],
 
     The model directory is loaded as a user's would be (`from_pretrained` on its path), its own chat
     template lays the context out, and its turns are read in the Qwen2.5 / Hermes tool-call format.
+    `setup` prepares the session's outside world (an AgentDojo environment) before the model starts.
     """
     if scenario.compact_every:
         from agent.runtime import COMPACTION_REFUSED
@@ -150,6 +152,8 @@ def run_model_session(client: Client, scenario: Scenario, files: dict[str, str],
         raise ValueError(COMPACTION_REFUSED)
     session_id = client.open_session(forget=forget).session_id
     seed_workspace(client, session_id, files)
+    if setup is not None:
+        setup(client, session_id)
     engine = backend or LocalBackend.from_pretrained(model)
     agent = AgentSession(client, session_id, engine, system=scenario.system,
                          chat=lambda tools: ChatRenderer.from_dir(model, tools), toolcall_format="hermes",

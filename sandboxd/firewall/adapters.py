@@ -277,11 +277,14 @@ class HttpSender:
         """Send one request and classify failures by whether the request may have been acted on."""
         port = url.port or (443 if url.scheme == "https" else 80)
         target = self._resolve.get((url.host.rstrip("."), port))
-        if target is not None:  # `resolve`: the name stays in the Host header, the address is connected to
+        extensions: dict[str, Any] = {}
+        if target is not None:  # `resolve`: the name stays in Host (and TLS's SNI), the address is connected to
             headers = {**headers, "Host": url.netloc.decode("ascii")}
+            extensions["sni_hostname"] = url.host
             url = url.copy_with(host=target[0], port=target[1])
         try:
-            with self._client.stream(method, url, content=content, headers=headers) as response:
+            with self._client.stream(method, url, content=content, headers=headers,
+                                     extensions=extensions) as response:
                 body, truncated = self._read(response)
         except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise EffectNotDelivered(f"connecting to {url.host} timed out", timed_out=True) from exc
