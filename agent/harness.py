@@ -93,7 +93,8 @@ class Web:
 def daemon_config(path: Path, mail: MailSink, web: Web, release: str = "immediate") -> Path:
     """A daemon configuration whose firewall reaches this world."""
     hosts = [f"127.0.0.1:{web.port}", *([web.name] if web.name else [])]
-    resolve = f"resolve = {{ \"{web.name}:80\" = \"127.0.0.1:{web.port}\" }}\n" if web.name else ""
+    named = web.name if web.name is None or ":" in web.name else f"{web.name}:80"
+    resolve = f"resolve = {{ \"{named}\" = \"127.0.0.1:{web.port}\" }}\n" if web.name else ""
     path.write_text(
         "[firewall]\nadapter_timeout_s = 5.0\n"
         f"[firewall.smtp]\nhost = \"127.0.0.1\"\nport = {mail.port}\n"

@@ -155,12 +155,13 @@ def parse_turn_hermes(text: str) -> list[ToolStep]:
     return calls
 
 
-#: The web server's name in the fixture's conversations. A 2-layer model trained for minutes on a CPU does not
-#: learn to copy a random port from the task into its call (measured: it writes a port of its own), so it is
-#: trained on one name, and the harness serves the pages on any free port and has the daemon's firewall
-#: resolve the name to it (`[firewall.http] resolve`, as curl's --resolve): the model, the ledger and the
-#: provenance graph see `http://vendor.test/...`; the connection goes to 127.0.0.1:PORT.
-FIXTURE_HOST = "vendor.test"
+#: The web server's address in the fixture's conversations: a placeholder, not where the server listens. A
+#: 2-layer model trained for minutes on a CPU does not learn to copy a random port from the task into its call
+#: (measured: it writes a port of its own), so it is trained on this one address, and the harness serves the
+#: pages on any free port and has the daemon's firewall resolve the placeholder to it (`[firewall.http]
+#: resolve`, as curl's --resolve): the model, the ledger and the provenance graph see the placeholder; the
+#: connection goes to the free port. Nothing needs to be free at 18431.
+FIXTURE_HOST = "127.0.0.1:18431"
 
 
 def conversation(rng: random.Random, host: str = FIXTURE_HOST) -> list[tuple[str, str]]:
