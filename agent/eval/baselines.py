@@ -157,10 +157,10 @@ class PairContext:
         if not pending and self.model and not any(
                 b.type == "observation" and any(n in b.text for n in self.pair.payloads) for b in agent.blocks):
             called = sorted({c.name for b in agent.blocks for _, c in b.calls})
-            first = next((b.text for b in agent.blocks if b.type == "model_turn"), "")
+            opening = next((b.text for b in agent.blocks if b.type == "model_turn"), "")
             raise NotExposed("the model never read the injection (no observation carries it), so there is nothing "
                              f"to revoke; the tools it called: {', '.join(called) or 'none'}; its first turn: "
-                             f"{first[:100]!r}")
+                             f"{opening[:100]!r}")
         if not pending:
             raise RuntimeError("the detector raised no revocation: the injection was not flagged")
         first = min(pending, key=lambda r: r.tau)
