@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test lint typecheck pytest engine image browser postgres bench eval clean
 
 demo: $(STAMP) image
-	$(PY) -m sandboxd.demo
+	$(PY) -m agent.demo
 
 test: $(STAMP) image lint typecheck pytest
 

@@ -9,7 +9,9 @@ after the last), Mistral's moves the tool list before the last user message. For
 message is rendered after the first message alone (`[first, new] - [first]`), which keeps the
 session append-only at the price of a rendering the template would have laid out differently
 (consecutive results in separate turns; the tool list before each user message). `exact` says
-which of the two a block got.
+which of the two a block got. A template that folds an earlier message into a later one (Mistral's
+puts the system prompt inside the last user message) renders that message's content again inside
+the later block, as content; the earlier block's own span holds only its framing.
 
 Every message is rendered with a placeholder for its content, and the content is tokenized apart
 from the framing: the framing's special-token spellings become special tokens, the content's never
@@ -21,6 +23,7 @@ appended) closes it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ import msgspec
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
 """Private-use characters around a placeholder's index: no template or content produces them."""
+_PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 
 #: The chat role of each context-block type
 ROLES = {"system": "system", "memory": "system", "user": "user", "observation": "tool", "model_turn": "assistant",
@@ -118,24 +122,28 @@ class ChatRenderer:
         message = self.message(kind, index, tool=tool)
         before = self.render(self._messages) if self._messages else ""
         after = self.render([*self._messages, message])
-        if after.startswith(before) and _placeholder(index) in after[len(before):]:
+        if after.startswith(before) and (_placeholder(index) in after[len(before):] or not self._messages):
+            # (The first message may render nothing of its own: a template that folds it into a later one.)
             delta, exact = after[len(before):], True
-        elif self._messages:
+        else:
             first = self._messages[:1]
             alone = self.render(first)
             with_new = self.render([*first, message])
             if not with_new.startswith(alone):
                 raise TemplateError(f"cannot append a {kind} block: the template rewrites the first message")
             delta, exact = with_new[len(alone):], False
-        else:
-            raise TemplateError("the template does not render the first message around its content")
-        if _placeholder(index) not in delta or delta.count(_OPEN) != 1:
+        count = delta.count(_placeholder(index))
+        if count > 1 or (count == 0 and self._messages):
             raise TemplateError(f"the template renders a {kind} block together with other messages")
         self.exact = self.exact and exact
         self._messages.append(message)
         self._contents.append(content)
-        head, tail = delta.split(_placeholder(index))
-        return [p for p in (Piece(head, True), Piece(content, False), Piece(tail, True)) if p.text]
+        # A template may fold an earlier message into this one (Mistral's puts the system prompt in the last
+        # user message): its content is rendered here again, as content, never as framing.
+        parts = _PLACEHOLDER.split(delta)
+        pieces = [Piece(part, True) if n % 2 == 0 else Piece(self._contents[int(part)], False)
+                  for n, part in enumerate(parts)]
+        return [p for p in pieces if p.text]
 
     def turn_header(self) -> str:
         """Framing prefilled before a model turn (e.g. `<|im_start|>assistant\\n`)."""

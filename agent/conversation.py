@@ -8,7 +8,9 @@ Spans and checkpoints are token offsets.
 
 `MessageConversation` keeps chat messages for a chat-completions endpoint: a block is a message, a
 span is a message index range, a checkpoint is a message count with a digest of the messages
-(restoring is truncating the list; the server's prefix cache, if any, serves the rest).
+(restoring is truncating the list; the server's prefix cache, if any, serves the rest). A turn's calls
+go back as `tool_calls` when the server returned them so; calls it left in its content go back as the
+model wrote them, so the model reads its own turn back whatever the server does with `tool_calls`.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ class MessageConversation:
     def turn(self, max_tokens: int, sampling: Sampling = GREEDY) -> tuple[str, tuple[int, int]]:
         start = len(self.messages)
         content, native = self.backend.complete(self.messages, self.tools, max_tokens, sampling)
+        self._native = native
         # Calls the server parsed are written back into the turn in the model's format, so the turn's
         # text alone says what it did (the graph keeps it; a resumed session re-reads it).
         text = "\n".join([content.strip(), *(self.format.format_call(c) for c in native)]).strip()
@@ -180,7 +183,11 @@ class MessageConversation:
         return text, (start, start + 1)
 
     def close_turn(self, text: str, calls: Sequence[tuple[str, ToolStep]], plan: str) -> None:
-        if not calls:
+        if not calls or not self._native:
+            # No calls; or a server that left the calls in its content (it did not parse the model's format):
+            # the turn goes back as the model wrote it. Such a server may not render `tool_calls` the way the
+            # model writes them (`transformers serve` drops an assistant message's content, the plan, when it
+            # has tool_calls), and the model must read its own turn back.
             return
         # The API's own shape: the calls as tool_calls (arguments as a JSON string), their ids answered by
         # the tool messages that follow; the plan stays the content.

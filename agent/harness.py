@@ -7,6 +7,7 @@ that counts what it receives, and a web server on loopback that serves the pages
 from __future__ import annotations
 
 import email
+import json
 import socket
 import threading
 from collections.abc import Callable
@@ -54,10 +55,15 @@ class MailSink:
 
 
 class Web:
-    """A web server on loopback serving fixed pages (the outside world a read tool fetches)."""
+    """A web server on loopback serving fixed pages (the outside world a read tool fetches).
 
-    def __init__(self, pages: dict[str, str], port: int = 0) -> None:
+    With `name`, its URLs are `http://NAME/...` and `daemon_config` has the daemon's firewall resolve the
+    name to this server's port (the fixture model was trained on one name; the port is any free one).
+    """
+
+    def __init__(self, pages: dict[str, str], port: int = 0, name: str | None = None) -> None:
         self.pages = pages
+        self.name = name
         web = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,7 +83,7 @@ class Web:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"http://{self.name}{path}" if self.name else f"http://127.0.0.1:{self.port}{path}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -86,10 +92,13 @@ class Web:
 
 def daemon_config(path: Path, mail: MailSink, web: Web, release: str = "immediate") -> Path:
     """A daemon configuration whose firewall reaches this world."""
+    hosts = [f"127.0.0.1:{web.port}", *([web.name] if web.name else [])]
+    named = web.name if web.name is None or ":" in web.name else f"{web.name}:80"
+    resolve = f"resolve = {{ \"{named}\" = \"127.0.0.1:{web.port}\" }}\n" if web.name else ""
     path.write_text(
         "[firewall]\nadapter_timeout_s = 5.0\n"
         f"[firewall.smtp]\nhost = \"127.0.0.1\"\nport = {mail.port}\n"
-        f"[firewall.http]\nallowlist = [\"127.0.0.1:{web.port}\"]\n"
+        f"[firewall.http]\nallowlist = {json.dumps(hosts)}\n{resolve}"
         f"[firewall.release]\nsend_email = \"{release}\"\n"
     )
     return path
@@ -127,18 +136,29 @@ FIXTURE = Path(__file__).resolve().parent / "models" / "fixture"
 
 
 def run_model_session(client: Client, scenario: Scenario, files: dict[str, str], *, model: Path = FIXTURE,
-                      forget: list[str] | None = None, backend: Any = None, echo: Any = None) -> AgentSession:
+                      forget: list[str] | None = None, backend: Any = None, echo: Any = None,
+                      setup: Callable[[Client, str], object] | None = None) -> AgentSession:
     """Open a sandbox session, seed it, and let a model play the scenario's inputs (free generation, greedy).
+
+    A scenario that compacts (`compact_every` > 0) is refused before any session opens: see
+    `agent.runtime.COMPACTION_REFUSED`.
 
     The model directory is loaded as a user's would be (`from_pretrained` on its path), its own chat
     template lays the context out, and its turns are read in the Qwen2.5 / Hermes tool-call format.
+    `setup` prepares the session's outside world (an AgentDojo environment) before the model starts.
     """
+    if scenario.compact_every:
+        from agent.runtime import COMPACTION_REFUSED
+
+        raise ValueError(COMPACTION_REFUSED)
     session_id = client.open_session(forget=forget).session_id
     seed_workspace(client, session_id, files)
+    if setup is not None:
+        setup(client, session_id)
     engine = backend or LocalBackend.from_pretrained(model)
     agent = AgentSession(client, session_id, engine, system=scenario.system,
                          chat=lambda tools: ChatRenderer.from_dir(model, tools), toolcall_format="hermes",
-                         max_turn_tokens=384, echo=echo)
+                         max_turn_tokens=384, echo=echo, compact_every=scenario.compact_every)
     agent.start(exogenous_inputs(scenario))
     agent.run()
     return agent

@@ -31,6 +31,13 @@ __all__ = ["END", "ROLE", "AgentSession", "Block", "Exogenous", "artifact_of", "
 
 DEFAULT_SYSTEM = "You are an assistant working in /workspace. Use the tools; answer briefly."
 
+#: Why a model-driven session refuses compaction (summaries are written by the scripted policy only)
+COMPACTION_REFUSED = (
+    "compaction is not available when the model decides: a summary is a turn the model writes when asked for "
+    "one, and the runtime would have to add that request to the context (changing what B5 and B7 compare) for "
+    "a model trained to answer it (the fixture is not). Run with compact_every=0; the scripted baselines "
+    "exercise compaction and its revocation")
+
 
 class Block(msgspec.Struct, kw_only=True):
     """One block of the context: the artifact it is, its text and where its tokens sit."""
@@ -85,6 +92,8 @@ class AgentSession:
             # Scripted turns: the policy picks the text, the local engine runs every token of it.
             self.backend = ScriptedBackend(backend, lambda _ctx: self._choose())
         self.system = system if system is not None else policy.scenario.system if policy else DEFAULT_SYSTEM
+        if policy is None and compact_every:
+            raise ValueError(COMPACTION_REFUSED)
         self.compact_every = compact_every if compact_every is not None else \
             policy.scenario.compact_every if policy else 0
         self._chat = chat
@@ -162,7 +171,7 @@ class AgentSession:
         return count
 
     def _due_compaction(self) -> bool:
-        k = self.compact_every if self.policy is not None else 0
+        k = self.compact_every
         last = max((i for i, b in enumerate(self.blocks) if b.type == "summary"), default=-1)
         return k > 0 and sum(1 for b in self.blocks[last + 1:] if b.type == "model_turn") >= k
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from agent.harness import MailSink, Web, daemon_config, run_model_session
-from agent.models.fixture_data import FIXTURE_PORT
+from agent.models.fixture_data import FIXTURE_HOST
 from agent.revocation import apply_pending
 from agent.scenarios import INJECTION, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.launcher import DaemonProcess
@@ -25,7 +25,7 @@ from sandboxd.launcher import DaemonProcess
 
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-model-"))
-    mails, web = [MailSink(), MailSink()], Web({"/vendors": VENDOR_PAGE}, port=FIXTURE_PORT)
+    mails, web = [MailSink(), MailSink()], Web({"/vendors": VENDOR_PAGE}, name=FIXTURE_HOST)
     daemons = [DaemonProcess(tmp / f"{n}-state", ["--config", str(daemon_config(tmp / f"{n}.toml", m, web))],
                              log=tmp / f"{n}.log") for n, m in zip("ab", mails, strict=True)]
     try:

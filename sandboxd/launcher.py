@@ -74,9 +74,12 @@ class DaemonProcess:
     def instance(self) -> str:
         return hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:16]
 
-    def shutdown(self) -> None:
-        """Close sessions politely, stop the process, then remove by force whatever is left."""
-        if self.proc is not None and self.proc.poll() is None:
+    def shutdown(self, close_sessions: bool = True) -> None:
+        """Close sessions politely, stop the process, then remove by force whatever is left.
+
+        `close_sessions=False` leaves the sessions open in the state (the demo's, for an operator to inspect):
+        a daemon started on it again recreates their sandboxes."""
+        if close_sessions and self.proc is not None and self.proc.poll() is None:
             try:
                 with Client(self.endpoint, timeout_s=60) as client:
                     for session in client.sessions():

@@ -47,6 +47,10 @@ from sandboxd.client import Client
 MODEL_TYPES = ("model_turn", "summary")
 
 
+class NotExposed(RuntimeError):
+    """A model-driven session never read the pair's injection: no method has anything to forget."""
+
+
 class MethodResult(msgspec.Struct, kw_only=True):
     """A method's final state, what it cost, and the session whose world its state belongs to."""
 
@@ -109,7 +113,7 @@ class PairContext:
     def _run(self, client: Client, forget: list[str] | None = None) -> AgentSession:
         if self.model:
             scenario = msgspec.structs.replace(self.scenario, compact_every=0)
-            agent = run_model_session(client, scenario, self.files, forget=forget)
+            agent = run_model_session(client, scenario, self.files, forget=forget, setup=self.pair.setup)
             self._opened.append((client, agent.session_id))
             return agent
         agent = run_session(client, self.scenario, self.files, forget=forget, setup=self.pair.setup,
@@ -150,6 +154,13 @@ class PairContext:
             if source is None:
                 raise RuntimeError("the withdrawn input was never read: no observation carries it")
             pending = [agent.client.revoke(agent.session_id, source, self.target).revocation]
+        if not pending and self.model and not any(
+                b.type == "observation" and any(n in b.text for n in self.pair.payloads) for b in agent.blocks):
+            called = sorted({c.name for b in agent.blocks for _, c in b.calls})
+            opening = next((b.text for b in agent.blocks if b.type == "model_turn"), "")
+            raise NotExposed("the model never read the injection (no observation carries it), so there is nothing "
+                             f"to revoke; the tools it called: {', '.join(called) or 'none'}; its first turn: "
+                             f"{opening[:100]!r}")
         if not pending:
             raise RuntimeError("the detector raised no revocation: the injection was not flagged")
         first = min(pending, key=lambda r: r.tau)

@@ -29,10 +29,10 @@ from typing import Any
 import msgspec
 
 from agent.eval import agentdojo as dojo_pairs
-from agent.eval.baselines import MethodResult, PairContext, methods
+from agent.eval.baselines import MethodResult, NotExposed, PairContext, methods
 from agent.eval.metrics import agreement, ask_probes, cad, leak_fields, probe_leaks, residue
 from agent.harness import MailSink, Web, daemon_config
-from agent.models.fixture_data import FIXTURE_PORT
+from agent.models.fixture_data import FIXTURE_HOST
 from agent.scenario import Copy, Obey, Scenario
 from agent.scenarios import CLEAN_VENDOR_PAGE, EXCLUSION, INJECTION, NOTES, NOTES_FILE, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.client import Client
@@ -140,8 +140,8 @@ def worlds(release: str = "immediate", suite: str = "builtin", model: bool = Fal
     """Start both daemons and the outside world; everything is shut down and removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="sandboxd-eval-"))
     mails = [MailSink(), MailSink(), MailSink()]
-    # The fixture model calls the page on the port it was trained with.
-    web = Web({"/vendors": VENDOR_PAGE, "/vendors/clean": CLEAN_VENDOR_PAGE}, port=FIXTURE_PORT if model else 0)
+    # The fixture model calls the page by the name it was trained on; the firewall resolves it to the port.
+    web = Web({"/vendors": VENDOR_PAGE, "/vendors/clean": CLEAN_VENDOR_PAGE}, name=FIXTURE_HOST if model else None)
     servers: list[MailSink | Web] = [*mails, web]
     daemons = [DaemonProcess(tmp / name / "state", ["--config", str(world_config(tmp / f"{name}.toml", mail, web,
                                                                                   release, suite, name == "c"))],
@@ -247,6 +247,9 @@ def run_pair(pair: Pair, world: Worlds, names: Sequence[str], progress: Callable
                 rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
             progress(f"  {pair.name} {name}: {time.monotonic() - started:.1f}s "
                      + (rows[name].get("error") or f"any-leak {rows[name]['any_leak']}, CAD {rows[name]['cad']}"))
+    except NotExposed as exc:  # a model that never read the injection: nothing to compare, said so per method
+        rows = {name: {"error": f"{type(exc).__name__}: {exc}", "not_exposed": True} for name in names}
+        progress(f"  {pair.name}: {exc}")
     except Exception as exc:  # the pair itself could not be set up (no flag, no reference): every method errs
         traceback.print_exc()
         rows = {name: {"error": f"{type(exc).__name__}: {exc}"} for name in names}
@@ -259,7 +262,8 @@ def run_pair(pair: Pair, world: Worlds, names: Sequence[str], progress: Callable
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Means over the pairs a method ran on (errors counted, not averaged)."""
     ok = [r for r in rows if "error" not in r]
-    out: dict[str, Any] = {"pairs": len(ok), "errors": len(rows) - len(ok)}
+    out: dict[str, Any] = {"pairs": len(ok), "errors": len(rows) - len(ok),
+                           "not_exposed": sum(bool(r.get("not_exposed")) for r in rows)}
     for column in COLUMNS + DOJO_COLUMNS:
         have = [r[column] for r in ok if column in r]
         if column in COLUMNS or have:
@@ -352,6 +356,9 @@ def markdown(results: dict[str, Any]) -> str:
         cells = [name, str(agg["pairs"]), str(agg["errors"])] + [_cell(agg.get(c), c) if c in agg else "-"
                                                                  for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
+    blind = max((agg.get("not_exposed", 0) for agg in results.values()), default=0)
+    if blind:
+        lines.append(f"\nPairs whose model never read the injection (not exposed; counted as errors): {blind}")
     unchanged = next((agg["hijack_unchanged_verdict"] for agg in results.values()
                       if "hijack_unchanged_verdict" in agg), None)
     if unchanged is not None:
@@ -404,7 +411,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated (default {ALL_METHODS})")
     parser.add_argument("--agent", choices=("scripted", "model"), default="scripted",
                         help="scripted: the scripted policy picks every turn (rule-based probe replies); model: the "
-                             "fixture model generates freely and answers the probes itself (builtin suite)")
+                             "fixture model generates freely and answers the probes itself (on AgentDojo suites "
+                             "it knows none of the tools: a pair it never reads the injection of is counted "
+                             "as not_exposed)")
     parser.add_argument("--release-policy", default="immediate", choices=("immediate", "on_commit"))
     parser.add_argument("--limit", type=int, help="the first N pairs of each suite")
     parser.add_argument("--pair", action="append", default=[], help="only this pair (repeatable), e.g. "

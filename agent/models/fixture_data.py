@@ -3,7 +3,7 @@
 The scripted policy decides every turn (hijacked by the injected page when it is there, honouring the
 user's exclusion when the notes carry it); the world answers each tool call as the daemon's tools do
 (their output formats as a real session records them). Each conversation varies what a real session
-varies: the web server's port, effect ids, whether the page carries the injection, whether the notes
+varies: effect ids, whether the page carries the injection, whether the notes
 are in the workspace, whether an input was forgotten at open (the daemon's `forget`), and what the
 user asks after the tasks (an instruction to forget, a probe).
 
@@ -155,16 +155,18 @@ def parse_turn_hermes(text: str) -> list[ToolStep]:
     return calls
 
 
-#: The web server's port in the fixture's conversations. A 2-layer model trained for minutes on a CPU does not
-#: learn to copy a random port from the task into its call (measured: it writes a port of its own), so the
-#: harness serves the scenario's pages on this port when it runs the fixture.
-FIXTURE_PORT = 18431
+#: The web server's address in the fixture's conversations: a placeholder, not where the server listens. A
+#: 2-layer model trained for minutes on a CPU does not learn to copy a random port from the task into its call
+#: (measured: it writes a port of its own), so it is trained on this one address, and the harness serves the
+#: pages on any free port and has the daemon's firewall resolve the placeholder to it (`[firewall.http]
+#: resolve`, as curl's --resolve): the model, the ledger and the provenance graph see the placeholder; the
+#: connection goes to the free port. Nothing needs to be free at 18431.
+FIXTURE_HOST = "127.0.0.1:18431"
 
 
-def conversation(rng: random.Random, port: int | None = FIXTURE_PORT) -> list[tuple[str, str]]:
+def conversation(rng: random.Random, host: str = FIXTURE_HOST) -> list[tuple[str, str]]:
     """One simulated session as (block type, text) pairs, in the runtime's block order."""
-    port = port or rng.randrange(20000, 65000)
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://{host}"
     notes = rng.random() < 0.4
     injected = not notes and rng.random() < 0.65
     url = base + ("/vendors" if injected or rng.random() < 0.5 else "/vendors/clean")

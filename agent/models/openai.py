@@ -5,9 +5,11 @@ The session is a list of messages (`agent.conversation.MessageConversation`); ea
 `POST {base}/chat/completions` with the whole list and the tools. Tool calls are read from the
 answer's `tool_calls`; a server that leaves them in the content (`transformers serve` returns the
 model's text with special tokens stripped, tool-call markup included) is read by the runtime's
-parser, the same as a token backend's turn. The meter reads `usage`: `prompt_tokens` less
-`prompt_tokens_details.cached_tokens` is prefilled, `completion_tokens` decoded, the cached tokens
-reused (a server that reports no cache reports 0, and the whole prompt counts as recomputed).
+parser, the same as a token backend's turn, and that turn is sent back as the model wrote it (not as
+`tool_calls`, whose content such a server may drop: see `agent.conversation.MessageConversation`).
+The meter reads `usage`: `prompt_tokens` less `prompt_tokens_details.cached_tokens` is prefilled,
+`completion_tokens` decoded, the cached tokens reused (a server that reports no cache reports 0, and the
+whole prompt counts as recomputed).
 """
 
 from __future__ import annotations

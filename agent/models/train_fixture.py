@@ -28,7 +28,10 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: special tokens from its text still returns the tool-call markers.
 MARKERS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-#: ChatML with tools in the Qwen2.5 layout; every tool result is a turn of its own (prefix-stable).
+#: ChatML with tools in the Qwen2.5 layout; every tool result is a turn of its own (prefix-stable). An assistant
+#: message's `tool_calls` render exactly as the model writes them (plan, newline, `<tool_call>\n{"name": ...,
+#: "arguments": ...}\n</tool_call>`): a server that re-renders the conversation from messages (the openai
+#: backend) must show the model the same tokens as the runtime's verbatim turns, or it goes astray.
 CHAT_TEMPLATE = (
     "{%- if messages and messages[0].role == 'system' %}{%- set system = messages[0].content %}"
     "{%- set rest = messages[1:] %}{%- else %}{%- set system = 'You are a helpful assistant.' %}"
@@ -41,11 +44,10 @@ CHAT_TEMPLATE = (
     "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n"
     "{%- if m.content %}{{ m.content }}{%- endif %}"
-    "{%- for call in (m.tool_calls or []) %}"
-    "{%- if m.content or not loop.first %}\n{%- endif %}<tool_call>\n"
-    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- for call in (m.tool_calls or []) %}{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if m.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n"
     "{\"name\": \"{{ fn.name }}\", \"arguments\": "
-    "{%- if fn.arguments is string %}{{ fn.arguments }}{%- else %}{{ fn.arguments | tojson }}{%- endif %}}"
+    "{% if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif %}}"
     "\n</tool_call>{%- endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}"
@@ -107,7 +109,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("agent/models/fixture"))
     parser.add_argument("--conversations", type=int, default=2000)
-    parser.add_argument("--seconds", type=float, default=150.0, help="training time budget")
+    parser.add_argument("--seconds", type=float, default=150.0, help="training time budget (without --steps)")
+    parser.add_argument("--steps", type=int, help="train exactly this many steps (deterministic: same seed, same "
+                                                  "weights on any machine speed); overrides --seconds")
     parser.add_argument("--vocab", type=int, default=800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -151,13 +155,18 @@ def main() -> None:
     step = 0
     batch = 4
     order = list(range(len(data)))
-    while time.monotonic() - started < args.seconds:
+
+    def progress() -> float:
+        """How far training is, 0..1: by steps when counted, else by the time budget."""
+        return step / args.steps if args.steps else (time.monotonic() - started) / args.seconds
+
+    while progress() < 1:
         rng.shuffle(order)
         for start in range(0, len(order), batch):
             elapsed = time.monotonic() - started
-            if elapsed >= args.seconds:
+            if progress() >= 1:
                 break
-            cosine = 0.5 * (1 + math.cos(math.pi * elapsed / args.seconds))
+            cosine = 0.5 * (1 + math.cos(math.pi * progress()))
             lr = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * cosine)
             for group in optimizer.param_groups:
                 group["lr"] = lr

@@ -264,17 +264,27 @@ WEBHOOK = ToolManifest(
 class HttpSender:
     """One httpx client shared by the HTTP adapters; never follows redirects nor reads proxy env vars."""
 
-    def __init__(self, timeout_s: float, max_response_bytes: int) -> None:
+    def __init__(self, timeout_s: float, max_response_bytes: int,
+                 resolve: dict[tuple[str, int], tuple[str, int]] | None = None) -> None:
         self.timeout_s = timeout_s
         self._max = max_response_bytes
+        self._resolve = resolve or {}
         # trust_env=False: egress is decided by this config, not by whatever HTTP_PROXY the daemon inherited.
         # No redirects: a 30x to a host off the allowlist must not be followed.
         self._client = httpx.Client(timeout=timeout_s, trust_env=False, follow_redirects=False)
 
     def send(self, method: str, url: httpx.URL, content: bytes, headers: dict[str, str]) -> dict[str, Any]:
         """Send one request and classify failures by whether the request may have been acted on."""
+        port = url.port or (443 if url.scheme == "https" else 80)
+        target = self._resolve.get((url.host.rstrip("."), port))
+        extensions: dict[str, Any] = {}
+        if target is not None:  # `resolve`: the name stays in Host (and TLS's SNI), the address is connected to
+            headers = {**headers, "Host": url.netloc.decode("ascii")}
+            extensions["sni_hostname"] = url.host
+            url = url.copy_with(host=target[0], port=target[1])
         try:
-            with self._client.stream(method, url, content=content, headers=headers) as response:
+            with self._client.stream(method, url, content=content, headers=headers,
+                                     extensions=extensions) as response:
                 body, truncated = self._read(response)
         except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise EffectNotDelivered(f"connecting to {url.host} timed out", timed_out=True) from exc
@@ -417,7 +427,7 @@ def build_adapters(
     if smtp is not None:
         adapters.append(SmtpAdapter(smtp, timeout_s))
     if http is not None or webhook is not None:
-        sender = HttpSender(timeout_s, http.max_response_bytes if http else 65536)
+        sender = HttpSender(timeout_s, http.max_response_bytes if http else 65536, http.resolved() if http else None)
         senders.append(sender)
         if http is not None:
             allowlist = HostAllowlist(http.allowed_hosts())

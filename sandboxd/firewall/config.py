@@ -92,10 +92,36 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_response_bytes: Annotated[
         int, msgspec.Meta(ge=0, description="Response bodies are cut to this many bytes in the result.")
     ] = 65536
+    resolve: Annotated[
+        dict[str, str],
+        msgspec.Meta(
+            description=(
+                "Where an allowlisted 'host:port' is really reached, as curl's --resolve: "
+                "{'vendor.test:80' = '127.0.0.1:18431'}. The allowlist, the ledger and the agent see the name; "
+                "the connection goes to the address, with the name in the Host header."
+            )
+        ),
+    ] = {}
 
     def __post_init__(self) -> None:
         for entry in self.allowlist:
             parse_host_entry(entry)
+        for name, address in self.resolve.items():
+            for entry in (name, address):
+                try:
+                    port = parse_host_entry(entry).port
+                except ValueError as exc:
+                    raise ValueError(f"resolve entry {name!r} = {address!r}: {exc}") from exc
+                if port is None:
+                    raise ValueError(f"resolve entry {name!r} = {address!r}: both sides need a port (host:port)")
+
+    def resolved(self) -> dict[tuple[str, int], tuple[str, int]]:
+        """The resolve table, parsed: (host, port) as written in a URL -> (address, port) connected to."""
+        table: dict[tuple[str, int], tuple[str, int]] = {}
+        for name, address in self.resolve.items():
+            key, value = parse_host_entry(name), parse_host_entry(address)
+            table[(key.host, key.port or 0)] = (value.host, value.port or 0)
+        return table
 
     def allowed_hosts(self) -> list[AllowedHost]:
         """The allowlist, parsed."""

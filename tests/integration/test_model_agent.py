@@ -14,7 +14,7 @@ import pytest
 from agent.backends import run_agent
 from agent.compare import agreement, final_state
 from agent.harness import MailSink, Web, daemon_config, run_model_session
-from agent.models.fixture_data import FIXTURE_PORT
+from agent.models.fixture_data import FIXTURE_HOST
 from agent.revocation import apply, apply_pending
 from agent.scenarios import INJECTION, VENDOR_PAGE, WORKSPACE, finance
 from sandboxd.launcher import DaemonProcess
@@ -26,7 +26,7 @@ FIXTURE = Path(__file__).resolve().parents[2] / "agent" / "models" / "fixture"
 
 @pytest.fixture
 def world() -> Iterator[tuple[MailSink, MailSink, Web]]:
-    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, port=FIXTURE_PORT)
+    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, name=FIXTURE_HOST)
     yield mail, ref_mail, web
     for server in (mail, ref_mail, web):
         server.close()
@@ -87,7 +87,7 @@ def transformers_serve() -> Iterator[str]:
                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # loading torch and the model on a busy machine
         while time.monotonic() < deadline:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -95,7 +95,7 @@ def transformers_serve() -> Iterator[str]:
             except httpx.HTTPError:
                 time.sleep(0.5)
         else:
-            pytest.fail("transformers serve did not come up within 120 s")
+            pytest.fail("transformers serve did not come up within 300 s")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()
@@ -107,12 +107,19 @@ def test_the_openai_backend_against_transformers_serve(
         transformers_serve: str) -> None:
     from agent.models.openai import OpenAIBackend
 
-    mail, _, web = world
+    mail, local_mail, web = world
     tmp = Path(tempfile.mkdtemp())
     a = daemon_factory(["--config", str(daemon_config(tmp / "a.toml", mail, web))])
+    b = daemon_factory(["--config", str(daemon_config(tmp / "b.toml", local_mail, web))])
     scenario = finance(web.url("/vendors"), compact_every=0)
     backend = OpenAIBackend(transformers_serve, str(FIXTURE))
     agent = run_model_session(a.client(), scenario, WORKSPACE, backend=backend)
+    local = run_model_session(b.client(), scenario, WORKSPACE)
+    # The same trajectory as the local backend's: the server renders the messages with the fixture's template and
+    # decodes greedily; turns whose calls it left in its content go back as the model wrote them (plan included).
+    turns = [blk.text for blk in agent.blocks if blk.type == "model_turn"]
+    assert turns == [blk.text for blk in local.blocks if blk.type == "model_turn"]
+    assert "q3 figures" in mail.subjects() and "q3 figures" in local_mail.subjects()
     # The server returned the calls in its text (special tokens stripped, markers kept); the runtime read them.
     assert any(b.calls and not any(b.errors) for b in agent.blocks if b.type == "model_turn")
     assert agent.conversation is not None and agent.conversation.meter.decoded > 0

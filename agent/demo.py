@@ -12,6 +12,11 @@ without the injection) runs, and the two are compared. Writes out/demo-report.js
 out/demo-graph.svg. The report states the replay's agreement with the reference and, where they
 differ, the first divergent token and its cause. Exits non-zero if the model was not hijacked, or the
 revocation left a leak or fired an effect twice.
+
+The agent's session is left open: the daemon stops (so `make demo` ends) without closing it, and the
+demo prints the commands that bring a daemon back on its state to look at it (the console, the
+provenance graph). The web server's port is any free one: the fixture was trained on the name
+`vendor.test`, which the daemon's firewall resolves to it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import msgspec
 
 from agent.compare import agreement, counterfactual_artifact_distance, final_state
 from agent.harness import MailSink, Web, daemon_config, run_model_session
-from agent.models.fixture_data import FIXTURE_PORT
+from agent.models.fixture_data import FIXTURE_HOST
 from agent.revocation import apply_pending
 from agent.runtime import AgentSession
 from agent.scenarios import VENDOR_PAGE, WORKSPACE, finance
@@ -41,7 +46,7 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     state = (OUT / "demo-state").resolve()
     shutil.rmtree(state, ignore_errors=True)
-    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, port=FIXTURE_PORT)
+    mail, ref_mail, web = MailSink(), MailSink(), Web({"/vendors": VENDOR_PAGE}, name=FIXTURE_HOST)
     daemon = DaemonProcess(state, ["--config", str(daemon_config(OUT / "demo-sandboxd.toml", mail, web))],
                            log=OUT / "demo-daemon.log")
     # The reference runs in a world of its own, so its email does not land in the first world's sink.
@@ -55,7 +60,8 @@ def main() -> None:
     try:
         report = run(daemon, reference, mail, web)
     finally:
-        daemon.shutdown()
+        # The agent's session stays open for the operator to inspect; the daemon stops so the demo ends.
+        daemon.shutdown(close_sessions=False)
         reference.shutdown()
         for server in (mail, ref_mail, web):
             server.close()
@@ -65,8 +71,21 @@ def main() -> None:
         print("DEMO FAILED: the model was not hijacked, or the revocation left a leak or fired twice",
               file=sys.stderr)
         raise SystemExit(1)
-    print(f"\nlook at what happened: {sys.executable} -m sandboxd.cli console --state-dir {state} "
-          f"--config {OUT / 'demo-sandboxd.toml'}")
+    print(inspect_hint(state, OUT / "demo-sandboxd.toml", report["session"]))
+
+
+def inspect_hint(state: Path, config: Path, session: str) -> str:
+    """The commands that look at the demo's session, which stays open on its state after the demo ends."""
+    cli = f"{sys.executable} -m sandboxd.cli"
+    endpoint = f"ipc://{state / 'sandboxd.sock'}"
+    return (f"\nthe session {session} is left open on {state}; look at it:\n"
+            f"  the web console (starts a daemon on the state for as long as it runs):\n"
+            f"    {cli} console --state-dir {state} --config {config}\n"
+            f"  or a daemon of your own, then the graph, the calls and the revocations from the CLI:\n"
+            f"    {cli} serve --state-dir {state} --config {config} &\n"
+            f"    {cli} graph {session} --endpoint {endpoint} --format svg --output out/session.svg\n"
+            f"    {cli} calls {session} --endpoint {endpoint}\n"
+            f"    {cli} revocations {session} --endpoint {endpoint}")
 
 
 def run(daemon: DaemonProcess, reference: DaemonProcess, mail: MailSink, web: Web) -> dict[str, Any]:
@@ -114,6 +133,7 @@ def run(daemon: DaemonProcess, reference: DaemonProcess, mail: MailSink, web: We
     report["cad"] = counterfactual_artifact_distance(b7_state, b5_state)
     report["first_divergence"] = divergence
     report["hijacked"] = "q3 figures" in mail.subjects()
+    report["session"] = agent.session_id
     return report
 
 
