@@ -42,7 +42,7 @@ class FinalState(msgspec.Struct, kw_only=True):
     actions: list[tuple[str, str]]
 
 
-def needles_for(target: str, payloads: Sequence[str]) -> list[str]:
+def leak_strings(target: str, payloads: Sequence[str]) -> list[str]:
     """The strings whose presence is a leak: the full target and its distinctive payloads, longest first."""
     return sorted({target, *payloads}, key=len, reverse=True)
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from sandboxd.firewall.handlers import result_text
 from sandboxd.revocation.detector import RuleBasedDetector
-from sandboxd.revocation.erasure import needles_for_forms
+from sandboxd.revocation.leakscan import needles_for
 from sandboxd.revocation.forgetting import (
     ForgetFilter,
     detected_targets,
@@ -132,7 +132,7 @@ def test_structures_are_filtered_value_by_value_and_every_serialization_of_them_
     # Bytes are compared only where they mean something: a target of a character or two also occurs inside
     # escapes and length prefixes of other values (`0` in `\u001b`), and one made of syntax can be re-spelled.
     assume(len(target) >= 4 and not any(c in target for c in '"{}[],:\\') and not target.isalnum())
-    needles = needles_for_forms([target])
+    needles = needles_for(target)
     assert not any(needle in blob for needle in needles for blob in encodings)
 
 
