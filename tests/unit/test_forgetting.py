@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from sandboxd.firewall.handlers import result_text
 from sandboxd.revocation.detector import RuleBasedDetector
-from sandboxd.revocation.leakscan import needles_for
 from sandboxd.revocation.forgetting import (
     ForgetFilter,
     detected_targets,
@@ -28,6 +27,7 @@ from sandboxd.revocation.forgetting import (
     piece_fingerprints,
     target_forms,
 )
+from sandboxd.revocation.leakscan import needles_for
 
 SALT = bytes(range(32))
 TEXT = st.characters(blacklist_categories=("Cs",))
