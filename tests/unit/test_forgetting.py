@@ -150,6 +150,21 @@ def test_a_whole_structured_observation_forgets_its_content_in_later_structured_
 
 
 @EXAMPLES
+@given(target=TARGETS, other=CONTEXT, status=st.integers(0, 999))
+def test_a_result_and_its_recorded_rendering_are_sanitized_alike(target: str, other: str, status: int) -> None:
+    """The one structured path: a call's result (its data at hand) and the same result re-fed from the
+    record (read back from its text) come out the same, and the data is clean."""
+    data = {"body": f"{other} {target}", "status": status, "list": [target, other]}
+    text = result_text(data)
+    now, clean = forget(target).rendered(text, result_text, data)
+    recorded, unknown = forget(target).rendered(text, result_text)
+    assert now == recorded and unknown is None
+    assert clean == forget(target).value(data) and not any(holds(leaf, target) for leaf in leaves(clean))
+    plain, none = forget(target).rendered(f"{other} {target}", result_text)
+    assert plain == forget(target).text(f"{other} {target}") and none is None
+
+
+@EXAMPLES
 @given(first=SHORT | TARGETS, second=SHORT | TARGETS, before=CONTEXT, after=CONTEXT)
 def test_a_target_split_across_two_results_is_excised_from_both(first: str, second: str, before: str,
                                                                  after: str) -> None:
