@@ -177,7 +177,11 @@ class ProvenanceStore:
 
     def query(self, session_id: str, source: str) -> tuple[int, int, list[str], p.CheckpointRecord | None]:
         """(tau, T, taint closure, splice checkpoint) for a source artifact."""
-        artifact = self.artifact(session_id, source)
+        return self.locate(session_id, self.artifact(session_id, source))
+
+    def locate(self, session_id: str, artifact: p.Artifact) -> tuple[int, int, list[str], p.CheckpointRecord | None]:
+        """`query` of an artifact the caller has read already."""
+        source = artifact.artifact_id
         if artifact.type not in p.OBSERVATION_TYPES:
             raise InvalidArguments("provenance", f"{source} is a {artifact.type}, not an observation: only "
                                    "user inputs, memory injections and tool results can be revoked", "$.source")

@@ -287,6 +287,19 @@ def test_a_revocation_replays_without_the_target_and_commits_its_branch(secret: 
         assert secret not in d.call(sid, "read_file", path="notes.txt").stdout
 
 
+@pytest.mark.parametrize("source, target", [("o2", "   "), ("o2", "key-notinthesource"), ("m2", None),
+                                            ("nope", None)])
+def test_a_revocation_that_names_nothing_revocable_is_refused_and_nothing_is_raised(source: str,
+                                                                                      target: str | None) -> None:
+    with daemon() as d:
+        sid = d.open()
+        history(d, sid, "key-somesecretvalue")
+        reply = d.refused(p.RevokeRequest, session_id=sid, source=source, target=target)
+        assert reply.code in ("invalid_arguments", "not_found")
+        assert d.ask(p.ListRevocationsRequest, session_id=sid).revocations == []
+        assert d.read(sid, "summary.txt") == "summary: key-somesecretvalue"
+
+
 def test_a_revocation_that_is_not_replaying_cannot_commit() -> None:
     with daemon() as d:
         sid = d.open()
