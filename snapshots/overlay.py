@@ -16,6 +16,9 @@ hard-link trees (a tool writing a file in place would corrupt the snapshot shari
 Crash safety: a take writes the snapshot record before renaming the upper, and the live stack after;
 `recover` settles each crash point (see there). Needs root and a filesystem that can hold overlay
 upper directories (ext4, xfs, tmpfs).
+
+Why one module of this size: taking, restoring, trimming and recovering layers are steps of one crash-safe
+protocol over the same mount and the same records; `recover` must know every step's crash point.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ Tables:
   replay branch is the branch operation that opened it).
 - `ledger_events`: append-only history of every state change, for audit.
 - `outbox_held`: effects held by a release policy (or staged by a replay) until released or dropped.
+
+Why one module of this size: every transition is checked and written in the same durable transaction
+as the rows it depends on (a call, its aliases, its occurrence counters, its held effect, its history),
+so the tables listed above are one unit of storage; split by table, a transition would span modules
+and its transaction with it.
 """
 
 from __future__ import annotations

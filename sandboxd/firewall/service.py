@@ -34,6 +34,12 @@ re-decodes calls under fresh ids and would fire everything again); keeping occur
 memory (a restart would reset k, and the next legitimately identical send would be answered from the
 first one's record instead of being sent); holding the lock across the adapter call (one slow SMTP
 server would stall every session's tools).
+
+Why one module of this size: a call's identity, its decision and the replay branches it is counted in
+are one state machine over one lock and one set of occurrence counters (`_identify` -> `_decide` ->
+`_carry_out`, and `begin_replay`/`finish_replay` that reset and commit those counters). Split apart,
+each half would need the other's lock and counters, which is the coupling the facade exists to hide;
+the ledger (storage) and the adapters (the outside world) are already modules of their own.
 """
 
 from __future__ import annotations

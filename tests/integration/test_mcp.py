@@ -1,5 +1,9 @@
 """`sandboxd mcp` driven by the MCP SDK's own client, over stdio and streamable HTTP, against a real daemon,
-the Docker engine, and real SMTP and HTTP sinks that count what actually arrived."""
+the Docker engine, and real SMTP and HTTP sinks that count what actually arrived.
+
+Why one module of this size: the MCP server's tests share one world (daemon, sinks, server process)
+that is costly to build; splitting them would build it once per file.
+"""
 
 from __future__ import annotations
 
