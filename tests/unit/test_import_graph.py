@@ -1,8 +1,9 @@
 """The package's import graph, read from its source with `ast`: no cycles, and one composition root.
 
-Every `import` and `from ... import` of a sandboxd module counts, wherever it stands (a function-level
-import is still a dependency, only a later one), except those under `if TYPE_CHECKING:` (they never
-run). The rule it checks is the session model's: `sandboxd.service` builds every part and hands each
+Every `import` and `from ... import` of a sandboxd module counts, wherever it stands: a function-level
+import is still a dependency, only a later one, and one under `if TYPE_CHECKING:` is one too (a type
+names the module it lives in; such imports hid the cycles service -> revocation.operator ->
+provenance.handlers -> service and auth <-> config this test was written against). The rule it checks is the session model's: `sandboxd.service` builds every part and hands each
 what it needs, so nothing but the daemon's entry point imports it, and no part reaches back into another.
 """
 
@@ -26,23 +27,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(path: Path, modules: set[str]) -> set[str]:
     """The sandboxd modules `path` imports (a `from package import name` of a submodule counts as it)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -52,10 +43,6 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
                 base = f"{anchor}.{base}" if base else anchor
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text(), str(path)))
     return {m for m in found if m in modules and m != name}
 
 
