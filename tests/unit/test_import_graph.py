@@ -3,8 +3,9 @@
 Every `import` and `from ... import` of a sandboxd module counts, wherever it stands: a function-level
 import is still a dependency, only a later one, and one under `if TYPE_CHECKING:` is one too (a type
 names the module it lives in; such imports hid the cycles service -> revocation.operator ->
-provenance.handlers -> service and auth <-> config this test was written against). The rule it checks is the session model's: `sandboxd.service` builds every part and hands each
-what it needs, so nothing but the daemon's entry point imports it, and no part reaches back into another.
+provenance.handlers -> service and auth <-> config this test was written against). The rule it
+checks is the session model's: `sandboxd.service` builds every part and hands each what it needs, so
+nothing but the daemon's entry point imports it, and no part reaches back into another.
 """
 
 from __future__ import annotations
