@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from sandboxd.branch import BranchRow, BranchStatus, new_branch_id
 from sandboxd.db import Database
 from sandboxd.errors import InvalidState
 from sandboxd.firewall.intent import canonical_json
@@ -39,7 +40,6 @@ CallState = Literal[
     "intent", "fired", "done", "failed", "shadowed", "staged", "released", "orphaned", "unknown", "dropped"
 ]
 HoldPolicy = Literal["on_commit", "manual", "shadow"]
-BranchStatus = Literal["live", "open", "committing", "superseded", "abandoned"]
 
 # States in which this process may be talking to the outside world; found after a crash they are unknown.
 IN_FLIGHT_STATES: tuple[CallState, ...] = ("intent", "fired", "released")
@@ -85,17 +85,6 @@ class HeldEffect(msgspec.Struct, kw_only=True):
     policy: HoldPolicy
     held_at: float
     args: dict[str, Any]
-
-
-class Branch(msgspec.Struct, kw_only=True):
-    """A line of calls within a lineage: the live one, or a replay being built beside it."""
-
-    branch: str
-    lineage: str
-    parent: str | None
-    status: BranchStatus
-    from_turn: int | None
-    created_at: float
 
 
 class Ledger:
@@ -378,18 +367,14 @@ class Ledger:
 
     # Branches ---------------------------------------------------------------------------------
 
-    def branch(self, branch: str) -> Branch | None:
-        """One branch by id."""
-        rows = self._rows("SELECT * FROM branches WHERE branch = ?", [branch])
-        return _branch(rows[0]) if rows else None
+    def branch(self, branch: str) -> BranchRow | None:
+        """One branch by id (a line of calls within a lineage: the live one, or a replay built beside it)."""
+        return self._db.struct("SELECT * FROM branches WHERE branch = ?", [branch], BranchRow)
 
-    def branch_with_status(self, lineage: str, status: BranchStatus) -> Branch | None:
+    def branch_with_status(self, lineage: str, status: BranchStatus) -> BranchRow | None:
         """The lineage's branch in `status` (there is at most one live and one replay branch)."""
-        rows = self._rows(
-            "SELECT * FROM branches WHERE lineage = ? AND status = ? ORDER BY created_at DESC LIMIT 1",
-            [lineage, status],
-        )
-        return _branch(rows[0]) if rows else None
+        return self._db.struct("SELECT * FROM branches WHERE lineage = ? AND status = ? ORDER BY created_at DESC "
+                               "LIMIT 1", [lineage, status], BranchRow)
 
     def open_operation(self, branch: str, lineage: str) -> None:
         """Record a branch operation of the lineage as open (inside `transaction()`)."""
@@ -403,9 +388,8 @@ class Ledger:
     def create_branch(
         self, lineage: str, parent: str | None, status: BranchStatus, from_turn: int | None
     ) -> str:
-        """Create the next branch of a lineage (inside `transaction()`); ids are `<lineage>#<n>`."""
-        row = self._db.execute("SELECT COUNT(*) FROM branches WHERE lineage = ?", [lineage]).fetchone()
-        branch = f"{lineage}#{int(row[0])}"
+        """Create a branch of a lineage (inside `transaction()`), with the one branch id format."""
+        branch = new_branch_id()
         self._db.execute(
             "INSERT INTO branches (branch, lineage, parent, status, from_turn, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?)",
@@ -502,14 +486,4 @@ def _record(row: dict[str, Any]) -> CallRecord:
         recovered_from=row["recovered_from"],
     )
 
-
-def _branch(row: dict[str, Any]) -> Branch:
-    return Branch(
-        branch=row["branch"],
-        lineage=row["lineage"],
-        parent=row["parent"],
-        status=row["status"],
-        from_turn=row["from_turn"],
-        created_at=row["created_at"],
-    )
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from typing import Any, Literal
 import jsonschema
 import msgspec
 
+from sandboxd.branch import BranchRow, new_branch_id
 from sandboxd.db import Database
 from sandboxd.errors import (
     AdapterTimeout,
@@ -72,7 +72,7 @@ from sandboxd.firewall.adapters import EffectAdapter, EffectNotDelivered, Effect
 from sandboxd.firewall.compensation import Compensator
 from sandboxd.firewall.config import FirewallConfig
 from sandboxd.firewall.intent import derive_call_id, intent_key
-from sandboxd.firewall.ledger import IN_FLIGHT_STATES, Branch, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
+from sandboxd.firewall.ledger import IN_FLIGHT_STATES, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
 from sandboxd.protocol import ToolManifest
 
 Mode = Literal["live", "shadow"]
@@ -629,7 +629,7 @@ class Firewall:
             raise BranchStateError(lineage, None, "shadow mode needs an open replay: a revocation opens one")
         return replay.branch
 
-    def _open_replay(self, lineage: str) -> Branch | None:
+    def _open_replay(self, lineage: str) -> BranchRow | None:
         return self._ledger.branch_with_status(lineage, "open") or self._ledger.branch_with_status(lineage,
                                                                                                    "committing")
 
@@ -644,7 +644,7 @@ class Firewall:
             open_replay = self._open_replay(lineage)
             if open_replay is not None:
                 raise BranchStateError(lineage, open_replay.branch, f"replay {open_replay.branch} is still open")
-            branch = f"{lineage}#replay-{uuid.uuid4().hex[:8]}"
+            branch = new_branch_id()
             self._ledger.open_operation(branch, lineage)
         self.begin_replay(branch, lineage, from_turn)
         return branch
