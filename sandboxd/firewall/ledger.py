@@ -104,14 +104,12 @@ class Ledger:
         with self._db.transaction(durable=True):
             yield
 
-    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        return self._db.rows(sql, params)
 
     # Calls ------------------------------------------------------------------------------------
 
     def get(self, call_id: str) -> CallRecord | None:
         """The call with this ledger id, or None."""
-        rows = self._rows("SELECT * FROM ledger_calls WHERE call_id = ?", [call_id])
+        rows = self._db.rows("SELECT * FROM ledger_calls WHERE call_id = ?", [call_id])
         return _record(rows[0]) if rows else None
 
     def insert_call(self, record: CallRecord) -> None:
@@ -197,7 +195,7 @@ class Ledger:
         """call id -> (who, why) of the latest decision a person made about it (release, drop, resolve)."""
         found: dict[str, tuple[str, str]] = {}
         for chunk in _chunks(call_ids):
-            rows = self._rows(
+            rows = self._db.rows(
                 f"SELECT call_id, actor, reason FROM ledger_events WHERE actor IS NOT NULL AND call_id IN "
                 f"({','.join('?' * len(chunk))}) ORDER BY id", chunk)
             found.update({r["call_id"]: (r["actor"], r["reason"] or "") for r in rows})
@@ -207,7 +205,7 @@ class Ledger:
         """call id -> the caller's own ids that name it (in any branch), oldest first."""
         found: dict[str, list[str]] = {}
         for chunk in _chunks(call_ids):
-            rows = self._rows(
+            rows = self._db.rows(
                 f"SELECT DISTINCT call_id, agent_call_id FROM ledger_aliases WHERE call_id IN "
                 f"({','.join('?' * len(chunk))}) ORDER BY rowid", chunk)
             for r in rows:
@@ -216,14 +214,14 @@ class Ledger:
 
     def events(self, call_id: str) -> list[tuple[str | None, str, str]]:
         """(from, to, note) of every state change of one call, oldest first."""
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT from_state, to_state, note FROM ledger_events WHERE call_id = ? ORDER BY id", [call_id]
         )
         return [(r["from_state"], r["to_state"], r["note"] or "") for r in rows]
 
     def calls_of_session(self, session_id: str) -> list[CallRecord]:
         """Every call a session reached (in any branch), once each, in the order first reached."""
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT c.* FROM ledger_calls c JOIN (SELECT call_id, MIN(reached_at) AS first, MIN(rowid) AS k "
             "FROM ledger_reached WHERE session_id = ? GROUP BY call_id) r ON c.call_id = r.call_id "
             "ORDER BY r.first, r.k",
@@ -233,7 +231,7 @@ class Ledger:
 
     def of_session_like(self, session_id: str, pattern: str) -> list[CallRecord]:
         """A session's calls whose id matches a LIKE pattern (its compensations: `cmp-%`), oldest first."""
-        rows = self._rows("SELECT * FROM ledger_calls WHERE session_id = ? AND call_id LIKE ? ORDER BY created_at",
+        rows = self._db.rows("SELECT * FROM ledger_calls WHERE session_id = ? AND call_id LIKE ? ORDER BY created_at",
                           [session_id, pattern])
         return [_record(row) for row in rows]
 
@@ -241,12 +239,12 @@ class Ledger:
         """Every call currently in one of `states`."""
         wanted = list(states)
         marks = ",".join("?" * len(wanted))
-        rows = self._rows(f"SELECT * FROM ledger_calls WHERE state IN ({marks}) ORDER BY created_at", wanted)
+        rows = self._db.rows(f"SELECT * FROM ledger_calls WHERE state IN ({marks}) ORDER BY created_at", wanted)
         return [_record(row) for row in rows]
 
     def fired_twice(self, session_id: str) -> int:
         """Calls of a session that fired more than once without a certain failure in between (must be 0)."""
-        rows = self._rows(
+        rows = self._db.rows(
             """SELECT e.call_id,
                       SUM(e.to_state = 'fired') - SUM(e.from_state = 'fired' AND e.to_state = 'failed')
                       - SUM(e.note = 'reached again after its compensation') AS live
@@ -258,7 +256,7 @@ class Ledger:
 
     def count_by_state(self) -> dict[str, int]:
         """How many calls sit in each state."""
-        rows = self._rows("SELECT state, COUNT(*) AS n FROM ledger_calls GROUP BY state")
+        rows = self._db.rows("SELECT state, COUNT(*) AS n FROM ledger_calls GROUP BY state")
         return {row["state"]: row["n"] for row in rows}
 
     def set_recovered_from(self, call_id: str, state: str) -> None:
@@ -344,7 +342,7 @@ class Ledger:
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT o.*, c.tool, c.args FROM outbox_held o JOIN ledger_calls c ON c.call_id = o.call_id"
             + (" WHERE " + " AND ".join(where) if where else "")
             + " ORDER BY o.held_at, o.rowid",
@@ -439,7 +437,7 @@ class Ledger:
 
     def reached_after(self, branch: str, at: float) -> list[CallRecord]:
         """Calls `branch` reached after `at`, in the order reached."""
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT c.* FROM ledger_reached r JOIN ledger_calls c ON c.call_id = r.call_id "
             "WHERE r.branch = ? AND r.reached_at > ? ORDER BY r.reached_at, r.rowid", [branch, at])
         return [_record(row) for row in rows]
@@ -448,7 +446,7 @@ class Ledger:
         """Calls the parent reached, now in one of `states`, that `branch` did not reach."""
         wanted = list(states)
         marks = ",".join("?" * len(wanted))
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT c.* FROM ledger_reached p JOIN ledger_calls c ON c.call_id = p.call_id "
             f"WHERE p.branch = ? AND c.state IN ({marks}) AND p.call_id NOT IN "
             "(SELECT call_id FROM ledger_reached WHERE branch = ?) ORDER BY p.reached_at, p.rowid",
