@@ -56,6 +56,7 @@ bench: $(STAMP) image
 	$(PY) -m benchmarks.bench_revoke_concurrent
 	$(PY) benchmarks/bench_firewall.py
 	$(PY) -m benchmarks.bench_revocation
+	$(PY) -m benchmarks.bench_revocation_work
 	$(PY) -m benchmarks.bench_console
 	$(PY) -m benchmarks.bench_model_agent
 	$(PY) -m benchmarks.bench_eval --limit 30

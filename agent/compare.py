@@ -35,10 +35,14 @@ def mask_effect_ids(text: str) -> str:
     return _EFFECT_ID.sub("fx-*", text)
 
 
+Artifacts = list[tuple[str, str, str, tuple[str, ...]]]
+"""Recorded artifacts as compared: (id, type, content with effect ids masked, parents)."""
+
+
 class SessionState(msgspec.Struct, kw_only=True):
     """What a session ended with: its artifacts, context, sandbox tree, answer and effects."""
 
-    artifacts: list[tuple[str, str, str, tuple[str, ...]]]
+    artifacts: Artifacts
     context: str
     context_tokens: int
     tree: list[list[Any]]
@@ -61,13 +65,20 @@ def final_state(agent: AgentSession) -> SessionState:
                         context_tokens=len(conversation), tree=tree, answer=agent.answer(), external=effects)
 
 
-def agreement(a: SessionState, b: SessionState) -> dict[str, bool]:
-    """Field-by-field equality of two final states, and `all`."""
-    fields = {name: getattr(a, name) == getattr(b, name) for name in a.__struct_fields__}
-    return {**fields, "all": all(fields.values())}
+def agreement(a: Any, b: Any, fields: tuple[str, ...] | None = None) -> dict[str, bool]:
+    """Field-by-field equality of two final states (of `fields`, default every field), and `all`.
+
+    The one agreement model: the evaluation's score (agent.eval.metrics) is its mean over answer and tree."""
+    equal = {name: getattr(a, name) == getattr(b, name) for name in fields or a.__struct_fields__}
+    return {**equal, "all": all(equal.values())}
+
+
+def artifact_difference(mine: Artifacts, reference: Artifacts) -> tuple[int, int]:
+    """(artifacts of `reference` missing from `mine`, artifacts of `mine` absent from `reference`)."""
+    left, right = set(mine), set(reference)
+    return len(right - left), len(left - right)
 
 
 def counterfactual_artifact_distance(a: SessionState, b: SessionState) -> int:
     """CAD: artifacts in b's state missing from a's, plus artifacts in a's absent from b's."""
-    left, right = set(a.artifacts), set(b.artifacts)
-    return len(right - left) + len(left - right)
+    return sum(artifact_difference(a.artifacts, b.artifacts))

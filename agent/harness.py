@@ -25,18 +25,22 @@ from agent.scenario import Copy, Obey, Scenario, ScriptedPolicy
 from sandboxd.client import Client
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
 class MailSink:
-    """An SMTP server on loopback that keeps every message it accepted."""
+    """An SMTP server on loopback (aiosmtpd) that keeps every message it accepted: the one mail sink of the
+    demo, the tests and the benchmarks (a test that needs a slow relay overrides `handle_DATA`)."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.messages: list[email.message.Message] = []
+        self.envelopes: list[tuple[str, list[str], bytes]] = []
+        """(sender, recipients, raw message) of each accepted message, as the relay saw them."""
         self._lock = threading.Lock()
         self._controller = Controller(self, hostname="127.0.0.1", port=self.port)
         self._controller.start()
@@ -44,7 +48,13 @@ class MailSink:
     async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
         with self._lock:
             self.messages.append(email.message_from_bytes(envelope.content))
+            self.envelopes.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
         return "250 OK"
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return len(self.messages)
 
     def subjects(self) -> list[str]:
         with self._lock:

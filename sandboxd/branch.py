@@ -27,6 +27,11 @@ BranchKind = Literal["replay", "rollback", "fork"]
 BranchStatus = Literal["live", "open", "committing", "superseded", "abandoned"]
 
 
+def new_branch_id() -> str:
+    """The one id format of a branch, live or not (`br-` and 12 hex digits): opaque, never parsed."""
+    return "br-" + uuid.uuid4().hex[:12]
+
+
 class Branch(msgspec.Struct, frozen=True, kw_only=True):
     """One branch operation of a session: minted once, carried by every participant."""
 
@@ -62,9 +67,12 @@ class Participant(Protocol):
 
 
 class BranchRow(msgspec.Struct, kw_only=True):
+    """A row of the `branches` table: a branch operation's, or a firewall ledger's line of calls (its live
+    branch, or a replay beside it), one table and one row type for both."""
+
     branch: str
     lineage: str
-    status: str
+    status: BranchStatus
     kind: str | None = None
     splice: str | None = None
     parent: str | None = None
@@ -90,7 +98,7 @@ class Branches:
 
     def open(self, session_id: str, kind: BranchKind, splice: p.CheckpointRecord) -> Branch:
         """Mint a branch and begin it in every participant; if one fails, those begun abandon it."""
-        branch = Branch(id="br-" + uuid.uuid4().hex[:12], session_id=session_id, kind=kind, splice=splice)
+        branch = Branch(id=new_branch_id(), session_id=session_id, kind=kind, splice=splice)
         open_ = self.open_branch(session_id)
         if open_ is not None:
             raise InvalidState(open_.id, "open", "no open branch", f"{open_.kind} {open_.id} of {session_id} is "

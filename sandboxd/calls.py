@@ -170,9 +170,7 @@ class Calls:
         forget = self.forget(session_id)
         if not forget:
             return result
-        data = forget.value(result.data) if result.data is not None else None
-        rendered = result.data is not None and result.stdout == result_text(result.data)
-        stdout = forget.across_structure(result_text(data)) if rendered else forget.text(result.stdout)
+        stdout, data = forget.rendered(result.stdout, result_text, result.data)
         return msgspec.structs.replace(result, stdout=stdout, stderr=forget.text(result.stderr), data=data)
 
     # Running in the sandbox --------------------------------------------------------------------

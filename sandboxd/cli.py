@@ -2,6 +2,11 @@
 
 Every client command takes --endpoint and --json, and for a tcp:// daemon --server-key (the daemon's
 NAME.key) and --client-key (this client's NAME.key_secret; see `sandboxd keys`).
+
+Why one module of this size: one argparse tree and the one place every command's reply is printed.
+Each command is a few lines mapping options to one client request; split by command, the shared
+options (--endpoint, --json, the key files) and the printing helpers would be imported everywhere and
+the tree would no longer be readable top to bottom. Logic does not belong here: it lives in the daemon.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ A frame is one MessagePack map whose `type` field names the struct. Requests end
 replies in `Response`; every request carries a `request_id` that its reply echoes. Decoding is
 strict: an unknown type, a missing or ill-typed field, an unknown field or an oversized frame is a
 `ProtocolError` with its own code, never a crash. Nothing on the socket is ever pickled.
+
+Why one module of this size: it is the wire contract, and a contract read in one place is the point
+(every struct a peer may send or receive, the version and the one error mapping, side by side; SGLang
+keeps its inter-process structs in one `io_struct.py` for the same reason). It holds declarations, not
+logic: splitting it by feature would make a reader open several files to learn what one frame may say.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ are serialised; different sessions run in parallel; a closed session's lock is d
 (`sandboxd.sandbox.base.Sandbox`) and the snapshot store. It takes and restores snapshots, knows which
 snapshot equals the sandbox now, and recovers all of it after a crash. It is also the branch participant
 that holds the sandbox's files: a branch begins by restoring its splice checkpoint's snapshot.
+
+Why one module of this size: the session row, its lock, its sandbox and its snapshots are the one model
+the issue asked for (a `Session` everything else is built on); their recovery after a crash has to see
+all of them at once.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ to the host's disk), which was most of the time of both. A `Flusher` syncs the s
 at most a second later, which is all a crash of the host can take (the quota image, having no journal,
 is checked with e2fsck before it is mounted again after one anyway). Needs root and a filesystem that can hold overlay
 upper directories (ext4, xfs, tmpfs).
+
+Why one module of this size: taking, restoring, trimming and recovering layers are steps of one crash-safe
+protocol over the same mount and the same records; `recover` must know every step's crash point.
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
-"""Real servers that count what they receive: an SMTP sink (aiosmtpd) and an HTTP sink, on 127.0.0.1."""
+"""An HTTP sink on 127.0.0.1 that counts what it receives; the SMTP sink is agent.harness.MailSink."""
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from agent.harness import MailSink, free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class SmtpSink:
-    """aiosmtpd handler that keeps every message it accepted."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.messages: list[tuple[str, list[str], bytes]] = []
-        self._lock = threading.Lock()
-
-    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
-        with self._lock:
-            self.messages.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
-        return "250 OK"
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return len(self.messages)
+__all__ = ["HttpSink", "MailSink", "free_port"]
 
 
 class HttpSink:

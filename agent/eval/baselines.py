@@ -36,7 +36,7 @@ from typing import Protocol
 
 import msgspec
 
-from agent.eval.metrics import Artifact, FinalState, capture, needles_for, render, state_of
+from agent.eval.metrics import Artifact, FinalState, capture, leak_strings, render, state_of
 from agent.harness import run_model_session, run_session
 from agent.revocation import apply
 from agent.runtime import END, ROLE, AgentSession, Block, Exogenous
@@ -108,7 +108,7 @@ class PairContext:
 
     @property
     def needles(self) -> list[str]:
-        return needles_for(self.target, self.pair.payloads)
+        return leak_strings(self.target, self.pair.payloads)
 
     def _run(self, client: Client, forget: list[str] | None = None) -> AgentSession:
         if self.model:

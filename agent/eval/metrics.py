@@ -17,7 +17,8 @@ from typing import Any
 
 import msgspec
 
-from agent.compare import SessionState, counterfactual_artifact_distance, final_state, mask_effect_ids
+from agent.compare import Artifacts, artifact_difference, final_state, mask_effect_ids
+from agent.compare import agreement as field_agreement
 from agent.runtime import END, ROLE, AgentSession, Block
 from sandboxd import protocol as p
 
@@ -25,6 +26,7 @@ from sandboxd import protocol as p
 LEAK_FIELDS = ("answer", "summaries", "plans", "context", "cache")
 
 Artifact = tuple[str, str, str, tuple[str, ...]]
+"""One recorded artifact as compared (agent.compare.Artifacts)."""
 
 
 class FinalState(msgspec.Struct, kw_only=True):
@@ -37,12 +39,12 @@ class FinalState(msgspec.Struct, kw_only=True):
     cache: str
     record: list[tuple[str, str]]
     """The daemon's persistent copy of the observations: (artifact id, content); not scored by any-leak."""
-    artifacts: list[Artifact]
+    artifacts: Artifacts
     tree: list[list[Any]]
     actions: list[tuple[str, str]]
 
 
-def needles_for(target: str, payloads: Sequence[str]) -> list[str]:
+def leak_strings(target: str, payloads: Sequence[str]) -> list[str]:
     """The strings whose presence is a leak: the full target and its distinctive payloads, longest first."""
     return sorted({target, *payloads}, key=len, reverse=True)
 
@@ -93,20 +95,16 @@ def leak_fields(state: FinalState, needles: Sequence[str]) -> list[str]:
     return [name for name in LEAK_FIELDS if any(n in t for t in texts[name] for n in needles)]
 
 
-def _as_session(artifacts: list[Artifact]) -> SessionState:
-    return SessionState(artifacts=artifacts, context="", context_tokens=0, tree=[], answer=None, external=[])
-
-
 def cad(state: FinalState, reference: FinalState) -> tuple[int, int, int]:
-    """(CAD, artifacts in B5's state missing here, artifacts here absent from B5's), via agent.compare."""
-    distance = counterfactual_artifact_distance(_as_session(state.artifacts), _as_session(reference.artifacts))
-    mine, ref = set(state.artifacts), set(reference.artifacts)
-    return distance, len(ref - mine), len(mine - ref)
+    """(CAD, artifacts in B5's state missing here, artifacts here absent from B5's), as agent.compare counts."""
+    missing, extra = artifact_difference(state.artifacts, reference.artifacts)
+    return missing + extra, missing, extra
 
 
 def agreement(state: FinalState, reference: FinalState) -> float:
-    """Agreement with B5: the mean of answer equality and final-sandbox-tree equality."""
-    return ((state.answer == reference.answer) + (state.tree == reference.tree)) / 2
+    """Agreement with B5: the share of agent.compare's fields answer and tree that are equal."""
+    equal = field_agreement(state, reference, ("answer", "tree"))
+    return (equal["answer"] + equal["tree"]) / 2
 
 
 def residue(state: FinalState, reference: FinalState) -> int:

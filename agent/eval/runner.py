@@ -6,6 +6,9 @@ Two worlds, each a daemon with its own mail sink, share one web server: world A 
 sessions (one fresh copy per method) and world B the reference (B5). Per method, `--json` gives
 `pairs, any_leak, cad, agreement, leak_at_probes, residue, tokens_recomputed, fired_twice`
 (means over pairs; any_leak, leak_at_probes and residue as rates) and the per-pair rows.
+
+Why one module of this size: the run (worlds, methods, pairs) and the table it prints are one command;
+the metrics and the baselines it runs are modules of their own (`agent.eval.metrics`, `.baselines`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ is "unknown once bytes may have reached the other side": a connect timeout is no
 timeout waiting for the reply to a sent POST is unknown, because the server may have acted on it.
 Every fired request carries the ledger call id (`Message-ID`, `Idempotency-Key`) so that the far
 side can deduplicate too and an operator can look the call up when resolving it.
+
+Why one module of this size: each adapter is short (manifest, intent, checks, fire) and they share
+the delivered-or-unknown rule above; one module keeps that rule and every place it is applied together.
 """
 
 from __future__ import annotations

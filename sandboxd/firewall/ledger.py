@@ -14,6 +14,11 @@ Tables:
   replay branch is the branch operation that opened it).
 - `ledger_events`: append-only history of every state change, for audit.
 - `outbox_held`: effects held by a release policy (or staged by a replay) until released or dropped.
+
+Why one module of this size: every transition is checked and written in the same durable transaction
+as the rows it depends on (a call, its aliases, its occurrence counters, its held effect, its history),
+so the tables listed above are one unit of storage; split by table, a transition would span modules
+and its transaction with it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from sandboxd.branch import BranchRow, BranchStatus, new_branch_id
 from sandboxd.db import Database
 from sandboxd.errors import InvalidState
 from sandboxd.firewall.intent import canonical_json
@@ -34,7 +40,6 @@ CallState = Literal[
     "intent", "fired", "done", "failed", "shadowed", "staged", "released", "orphaned", "unknown", "dropped"
 ]
 HoldPolicy = Literal["on_commit", "manual", "shadow"]
-BranchStatus = Literal["live", "open", "committing", "superseded", "abandoned"]
 
 # States in which this process may be talking to the outside world; found after a crash they are unknown.
 IN_FLIGHT_STATES: tuple[CallState, ...] = ("intent", "fired", "released")
@@ -82,17 +87,6 @@ class HeldEffect(msgspec.Struct, kw_only=True):
     args: dict[str, Any]
 
 
-class Branch(msgspec.Struct, kw_only=True):
-    """A line of calls within a lineage: the live one, or a replay being built beside it."""
-
-    branch: str
-    lineage: str
-    parent: str | None
-    status: BranchStatus
-    from_turn: int | None
-    created_at: float
-
-
 class Ledger:
     """Durable record of every external call; all writes happen inside `transaction()`."""
 
@@ -110,14 +104,12 @@ class Ledger:
         with self._db.transaction(durable=True):
             yield
 
-    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        return self._db.rows(sql, params)
 
     # Calls ------------------------------------------------------------------------------------
 
     def get(self, call_id: str) -> CallRecord | None:
         """The call with this ledger id, or None."""
-        rows = self._rows("SELECT * FROM ledger_calls WHERE call_id = ?", [call_id])
+        rows = self._db.rows("SELECT * FROM ledger_calls WHERE call_id = ?", [call_id])
         return _record(rows[0]) if rows else None
 
     def insert_call(self, record: CallRecord) -> None:
@@ -203,7 +195,7 @@ class Ledger:
         """call id -> (who, why) of the latest decision a person made about it (release, drop, resolve)."""
         found: dict[str, tuple[str, str]] = {}
         for chunk in _chunks(call_ids):
-            rows = self._rows(
+            rows = self._db.rows(
                 f"SELECT call_id, actor, reason FROM ledger_events WHERE actor IS NOT NULL AND call_id IN "
                 f"({','.join('?' * len(chunk))}) ORDER BY id", chunk)
             found.update({r["call_id"]: (r["actor"], r["reason"] or "") for r in rows})
@@ -213,7 +205,7 @@ class Ledger:
         """call id -> the caller's own ids that name it (in any branch), oldest first."""
         found: dict[str, list[str]] = {}
         for chunk in _chunks(call_ids):
-            rows = self._rows(
+            rows = self._db.rows(
                 f"SELECT DISTINCT call_id, agent_call_id FROM ledger_aliases WHERE call_id IN "
                 f"({','.join('?' * len(chunk))}) ORDER BY rowid", chunk)
             for r in rows:
@@ -222,14 +214,14 @@ class Ledger:
 
     def events(self, call_id: str) -> list[tuple[str | None, str, str]]:
         """(from, to, note) of every state change of one call, oldest first."""
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT from_state, to_state, note FROM ledger_events WHERE call_id = ? ORDER BY id", [call_id]
         )
         return [(r["from_state"], r["to_state"], r["note"] or "") for r in rows]
 
     def calls_of_session(self, session_id: str) -> list[CallRecord]:
         """Every call a session reached (in any branch), once each, in the order first reached."""
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT c.* FROM ledger_calls c JOIN (SELECT call_id, MIN(reached_at) AS first, MIN(rowid) AS k "
             "FROM ledger_reached WHERE session_id = ? GROUP BY call_id) r ON c.call_id = r.call_id "
             "ORDER BY r.first, r.k",
@@ -239,7 +231,7 @@ class Ledger:
 
     def of_session_like(self, session_id: str, pattern: str) -> list[CallRecord]:
         """A session's calls whose id matches a LIKE pattern (its compensations: `cmp-%`), oldest first."""
-        rows = self._rows("SELECT * FROM ledger_calls WHERE session_id = ? AND call_id LIKE ? ORDER BY created_at",
+        rows = self._db.rows("SELECT * FROM ledger_calls WHERE session_id = ? AND call_id LIKE ? ORDER BY created_at",
                           [session_id, pattern])
         return [_record(row) for row in rows]
 
@@ -247,12 +239,12 @@ class Ledger:
         """Every call currently in one of `states`."""
         wanted = list(states)
         marks = ",".join("?" * len(wanted))
-        rows = self._rows(f"SELECT * FROM ledger_calls WHERE state IN ({marks}) ORDER BY created_at", wanted)
+        rows = self._db.rows(f"SELECT * FROM ledger_calls WHERE state IN ({marks}) ORDER BY created_at", wanted)
         return [_record(row) for row in rows]
 
     def fired_twice(self, session_id: str) -> int:
         """Calls of a session that fired more than once without a certain failure in between (must be 0)."""
-        rows = self._rows(
+        rows = self._db.rows(
             # Portable SQL (CASE, not a summed comparison; HAVING repeats the sum): PostgreSQL runs it too.
             """SELECT e.call_id FROM ledger_events e JOIN ledger_calls c ON c.call_id = e.call_id
                WHERE c.session_id = ? GROUP BY e.call_id
@@ -265,7 +257,7 @@ class Ledger:
 
     def count_by_state(self) -> dict[str, int]:
         """How many calls sit in each state."""
-        rows = self._rows("SELECT state, COUNT(*) AS n FROM ledger_calls GROUP BY state")
+        rows = self._db.rows("SELECT state, COUNT(*) AS n FROM ledger_calls GROUP BY state")
         return {row["state"]: row["n"] for row in rows}
 
     def set_recovered_from(self, call_id: str, state: str) -> None:
@@ -351,7 +343,7 @@ class Ledger:
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT o.*, c.tool, c.args FROM outbox_held o JOIN ledger_calls c ON c.call_id = o.call_id"
             + (" WHERE " + " AND ".join(where) if where else "")
             + " ORDER BY o.held_at, o.rowid",
@@ -374,18 +366,14 @@ class Ledger:
 
     # Branches ---------------------------------------------------------------------------------
 
-    def branch(self, branch: str) -> Branch | None:
-        """One branch by id."""
-        rows = self._rows("SELECT * FROM branches WHERE branch = ?", [branch])
-        return _branch(rows[0]) if rows else None
+    def branch(self, branch: str) -> BranchRow | None:
+        """One branch by id (a line of calls within a lineage: the live one, or a replay built beside it)."""
+        return self._db.struct("SELECT * FROM branches WHERE branch = ?", [branch], BranchRow)
 
-    def branch_with_status(self, lineage: str, status: BranchStatus) -> Branch | None:
+    def branch_with_status(self, lineage: str, status: BranchStatus) -> BranchRow | None:
         """The lineage's branch in `status` (there is at most one live and one replay branch)."""
-        rows = self._rows(
-            "SELECT * FROM branches WHERE lineage = ? AND status = ? ORDER BY created_at DESC LIMIT 1",
-            [lineage, status],
-        )
-        return _branch(rows[0]) if rows else None
+        return self._db.struct("SELECT * FROM branches WHERE lineage = ? AND status = ? ORDER BY created_at DESC "
+                               "LIMIT 1", [lineage, status], BranchRow)
 
     def open_operation(self, branch: str, lineage: str) -> None:
         """Record a branch operation of the lineage as open (inside `transaction()`)."""
@@ -399,9 +387,8 @@ class Ledger:
     def create_branch(
         self, lineage: str, parent: str | None, status: BranchStatus, from_turn: int | None
     ) -> str:
-        """Create the next branch of a lineage (inside `transaction()`); ids are `<lineage>#<n>`."""
-        row = self._db.execute("SELECT COUNT(*) FROM branches WHERE lineage = ?", [lineage]).fetchone()
-        branch = f"{lineage}#{int(row[0])}"
+        """Create a branch of a lineage (inside `transaction()`), with the one branch id format."""
+        branch = new_branch_id()
         self._db.execute(
             "INSERT INTO branches (branch, lineage, parent, status, from_turn, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?)",
@@ -451,7 +438,7 @@ class Ledger:
 
     def reached_after(self, branch: str, at: float) -> list[CallRecord]:
         """Calls `branch` reached after `at`, in the order reached."""
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT c.* FROM ledger_reached r JOIN ledger_calls c ON c.call_id = r.call_id "
             "WHERE r.branch = ? AND r.reached_at > ? ORDER BY r.reached_at, r.rowid", [branch, at])
         return [_record(row) for row in rows]
@@ -460,7 +447,7 @@ class Ledger:
         """Calls the parent reached, now in one of `states`, that `branch` did not reach."""
         wanted = list(states)
         marks = ",".join("?" * len(wanted))
-        rows = self._rows(
+        rows = self._db.rows(
             "SELECT c.* FROM ledger_reached p JOIN ledger_calls c ON c.call_id = p.call_id "
             f"WHERE p.branch = ? AND c.state IN ({marks}) AND p.call_id NOT IN "
             "(SELECT call_id FROM ledger_reached WHERE branch = ?) ORDER BY p.reached_at, p.rowid",
@@ -498,14 +485,4 @@ def _record(row: dict[str, Any]) -> CallRecord:
         recovered_from=row["recovered_from"],
     )
 
-
-def _branch(row: dict[str, Any]) -> Branch:
-    return Branch(
-        branch=row["branch"],
-        lineage=row["lineage"],
-        parent=row["parent"],
-        status=row["status"],
-        from_turn=row["from_turn"],
-        created_at=row["created_at"],
-    )
 

@@ -34,6 +34,12 @@ re-decodes calls under fresh ids and would fire everything again); keeping occur
 memory (a restart would reset k, and the next legitimately identical send would be answered from the
 first one's record instead of being sent); holding the lock across the adapter call (one slow SMTP
 server would stall every session's tools).
+
+Why one module of this size: a call's identity, its decision and the replay branches it is counted in
+are one state machine over one lock and one set of occurrence counters (`_identify` -> `_decide` ->
+`_carry_out`, and `begin_replay`/`finish_replay` that reset and commit those counters). Split apart,
+each half would need the other's lock and counters, which is the coupling the facade exists to hide;
+the ledger (storage) and the adapters (the outside world) are already modules of their own.
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ from typing import Any, Literal
 import jsonschema
 import msgspec
 
+from sandboxd.branch import BranchRow, new_branch_id
 from sandboxd.db import Database
 from sandboxd.errors import (
     AdapterTimeout,
@@ -66,7 +72,7 @@ from sandboxd.firewall.adapters import EffectAdapter, EffectNotDelivered, Effect
 from sandboxd.firewall.compensation import Compensator
 from sandboxd.firewall.config import FirewallConfig
 from sandboxd.firewall.intent import derive_call_id, intent_key
-from sandboxd.firewall.ledger import IN_FLIGHT_STATES, Branch, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
+from sandboxd.firewall.ledger import IN_FLIGHT_STATES, CallRecord, CallState, HeldEffect, HoldPolicy, Ledger
 from sandboxd.protocol import ToolManifest
 
 Mode = Literal["live", "shadow"]
@@ -625,7 +631,7 @@ class Firewall:
             raise BranchStateError(lineage, None, "shadow mode needs an open replay: a revocation opens one")
         return replay.branch
 
-    def _open_replay(self, lineage: str) -> Branch | None:
+    def _open_replay(self, lineage: str) -> BranchRow | None:
         return self._ledger.branch_with_status(lineage, "open") or self._ledger.branch_with_status(lineage,
                                                                                                    "committing")
 
@@ -640,7 +646,7 @@ class Firewall:
             open_replay = self._open_replay(lineage)
             if open_replay is not None:
                 raise BranchStateError(lineage, open_replay.branch, f"replay {open_replay.branch} is still open")
-            branch = f"{lineage}#replay-{uuid.uuid4().hex[:8]}"
+            branch = new_branch_id()
             self._ledger.open_operation(branch, lineage)
         self.begin_replay(branch, lineage, from_turn)
         return branch

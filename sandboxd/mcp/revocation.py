@@ -23,16 +23,40 @@ result to re-record: `splice_to` is the seam it calls.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from sandboxd import protocol as p
-from sandboxd.mcp.provenance import OBSERVATION_PREFIX
-
-if TYPE_CHECKING:
-    from sandboxd.mcp.session import McpSession
+from sandboxd.client import Client
+from sandboxd.mcp.provenance import OBSERVATION_PREFIX, CallRecorder
+from sandboxd.mcp.tools import Outcome
 
 log = logging.getLogger("sandboxd.mcp")
+
+T = TypeVar("T")
+
+
+class AnsweredCall(Protocol):
+    """A call of the session a retry may be answered from (`sandboxd.mcp.session.PendingCall`)."""
+
+    call_artifact: str
+    outcome: Outcome | None
+
+
+class McpSession(Protocol):
+    """What a revocation needs of an MCP session (`sandboxd.mcp.session.McpSession`, which calls in here:
+    named by what it offers, not imported, so the two modules do not import each other)."""
+
+    session_id: str
+    recorder: CallRecorder
+
+    @property
+    def pending(self) -> Mapping[str, AnsweredCall]: ...
+
+    def daemon(self, fn: Callable[[Client], T]) -> Awaitable[T]: ...
+
+    def discard(self, artifact_ids: list[str]) -> list[str]: ...
 
 
 def splice_to(session: McpSession, checkpoint: p.CheckpointRecord) -> tuple[list[str], list[str]]:

@@ -32,6 +32,7 @@ from sandboxd.client import Client, RemoteError
 from sandboxd.errors import SandboxdError
 from sandboxd.mcp.provenance import CallRecorder
 from sandboxd.mcp.retries import KeyConflict, RetryWindow, WindowEntry
+from sandboxd.mcp.revocation import take_revocation
 from sandboxd.mcp.tools import Outcome, error_outcome, result_outcome
 
 log = logging.getLogger("sandboxd.mcp")
@@ -338,8 +339,6 @@ class McpSession:
             await self.apply_revocations_locked()
 
     async def apply_revocations_locked(self) -> None:
-        from sandboxd.mcp.revocation import take_revocation
-
         pending = await self.daemon(lambda c: c.pending_revocations(self.session_id))
         for info in pending:
             notice = await take_revocation(self, info)

@@ -10,7 +10,6 @@ suffix after a checkpoint" is a range of seqs.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -33,8 +32,6 @@ class ProvenanceStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def _rows(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        return self.db.rows(sql, params)
 
     # Recording ---------------------------------------------------------------------------------
 
@@ -74,7 +71,7 @@ class ProvenanceStore:
                                    f"{parent!r}; parents must be recorded first", "$.artifacts")
 
     def _artifact_row(self, session_id: str, artifact_id: str, branch: str = LIVE) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM prov_artifacts WHERE session_id = ? AND branch = ? AND artifact_id = ?",
+        rows = self.db.rows("SELECT * FROM prov_artifacts WHERE session_id = ? AND branch = ? AND artifact_id = ?",
                           [session_id, branch, artifact_id])
         return rows[0] if rows else None
 
@@ -82,7 +79,7 @@ class ProvenanceStore:
         """Store a checkpoint, remembering how many artifacts existed when it was taken; False when the very same
         position is registered again (an agent resumed from it after a rollback), which keeps the first."""
         with self.db.transaction():
-            same = self._rows("SELECT step, turn, token_offset FROM prov_checkpoints WHERE session_id = ? AND "
+            same = self.db.rows("SELECT step, turn, token_offset FROM prov_checkpoints WHERE session_id = ? AND "
                               "branch = ? AND checkpoint_id = ?", [session_id, branch, checkpoint.checkpoint_id])
             position = (checkpoint.step, checkpoint.turn, checkpoint.token_offset)
             cid = checkpoint.checkpoint_id
@@ -103,14 +100,14 @@ class ProvenanceStore:
                                  "checkpoint_id = ?", [session_id, branch, checkpoint_id]) or 0)
 
     def checkpoint(self, session_id: str, checkpoint_id: str, branch: str = LIVE) -> p.CheckpointRecord | None:
-        rows = self._rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
+        rows = self.db.rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
                           [session_id, branch, checkpoint_id])
         return _checkpoint(rows[0]) if rows else None
 
     # Queries -----------------------------------------------------------------------------------
 
     def _load(self, row: dict[str, Any]) -> p.Artifact:
-        parents = self._rows("SELECT parent FROM prov_edges WHERE session_id = ? AND branch = ? AND child = ? "
+        parents = self.db.rows("SELECT parent FROM prov_edges WHERE session_id = ? AND branch = ? AND child = ? "
                              "ORDER BY rowid", [row["session_id"], row["branch"], row["artifact_id"]])
         return _from_row(row, [r["parent"] for r in parents])
 
@@ -126,23 +123,23 @@ class ProvenanceStore:
         if branch is not None:
             where, params = where + " AND branch = ?", [session_id, branch]
         parents: dict[str, list[str]] = {}
-        for edge in self._rows("SELECT branch, parent, child FROM prov_edges WHERE session_id = ? ORDER BY rowid",
+        for edge in self.db.rows("SELECT branch, parent, child FROM prov_edges WHERE session_id = ? ORDER BY rowid",
                                [session_id]):
             parents.setdefault(edge["branch"] + "/" + edge["child"], []).append(edge["parent"])
-        rows = self._rows(f"SELECT * FROM prov_artifacts WHERE {where} ORDER BY seq", params)
+        rows = self.db.rows(f"SELECT * FROM prov_artifacts WHERE {where} ORDER BY seq", params)
         return [_from_row(r, parents.get(r["branch"] + "/" + r["artifact_id"], [])) for r in rows]
 
     def checkpoints(self, session_id: str, branch: str | None = LIVE) -> list[p.CheckpointRecord]:
         where, params = "session_id = ?", [session_id]
         if branch is not None:
             where, params = where + " AND branch = ?", [session_id, branch]
-        rows = self._rows(f"SELECT * FROM prov_checkpoints WHERE {where} ORDER BY step, token_offset, created_at",
+        rows = self.db.rows(f"SELECT * FROM prov_checkpoints WHERE {where} ORDER BY step, token_offset, created_at",
                           params)
         return [_checkpoint(r) for r in rows]
 
     def closure(self, session_id: str, source: str) -> list[str]:
         """The source and every artifact reachable from it along parent -> child edges, in order."""
-        rows = self._rows(
+        rows = self.db.rows(
             """WITH RECURSIVE reach(id) AS (
                    SELECT ? UNION SELECT e.child FROM prov_edges e JOIN reach r ON e.parent = r.id
                    WHERE e.session_id = ? AND e.branch = ?)
@@ -154,7 +151,7 @@ class ProvenanceStore:
     def last_step(self, session_id: str) -> int:
         """T: the number of observation steps the live branch has consumed."""
         marks = ",".join("?" for _ in p.OBSERVATION_TYPES)
-        rows = self._rows(f"SELECT COALESCE(MAX(step), 0) AS t FROM prov_artifacts WHERE session_id = ? "
+        rows = self.db.rows(f"SELECT COALESCE(MAX(step), 0) AS t FROM prov_artifacts WHERE session_id = ? "
                           f"AND branch = ? AND type IN ({marks})", [session_id, LIVE, *p.OBSERVATION_TYPES])
         return int(rows[0]["t"])
 
@@ -170,14 +167,18 @@ class ProvenanceStore:
 
     def checkpoint_before(self, session_id: str, step: int) -> p.CheckpointRecord | None:
         """The latest live checkpoint taken before observation `step` was consumed."""
-        rows = self._rows(
+        rows = self.db.rows(
             "SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND step < ? "
             "ORDER BY step DESC, token_offset DESC, artifact_seq DESC LIMIT 1", [session_id, LIVE, step])
         return _checkpoint(rows[0]) if rows else None
 
     def query(self, session_id: str, source: str) -> tuple[int, int, list[str], p.CheckpointRecord | None]:
         """(tau, T, taint closure, splice checkpoint) for a source artifact."""
-        artifact = self.artifact(session_id, source)
+        return self.locate(session_id, self.artifact(session_id, source))
+
+    def locate(self, session_id: str, artifact: p.Artifact) -> tuple[int, int, list[str], p.CheckpointRecord | None]:
+        """`query` of an artifact the caller has read already."""
+        source = artifact.artifact_id
         if artifact.type not in p.OBSERVATION_TYPES:
             raise InvalidArguments("provenance", f"{source} is a {artifact.type}, not an observation: only "
                                    "user inputs, memory injections and tool results can be revoked", "$.source")
@@ -187,7 +188,7 @@ class ProvenanceStore:
 
     def suffix_bounds(self, session_id: str) -> tuple[int, int]:
         """(last artifact seq, last checkpoint rowid) of the live session: where an old suffix ends."""
-        row = self._rows(
+        row = self.db.rows(
             "SELECT (SELECT COALESCE(MAX(seq), 0) FROM prov_artifacts WHERE session_id = ? AND branch = ?) AS a, "
             "(SELECT COALESCE(MAX(rowid), 0) FROM prov_checkpoints WHERE session_id = ? AND branch = ?) AS c",
             [session_id, LIVE, session_id, LIVE])[0]
@@ -200,7 +201,7 @@ class ProvenanceStore:
         Bounded on both sides, so repeating it after a crash never touches what the branch brought."""
         with self.db.transaction():
             cut = self._cut(session_id, splice)
-            later = [r["artifact_id"] for r in self._rows(
+            later = [r["artifact_id"] for r in self.db.rows(
                 "SELECT artifact_id FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ? AND seq <= ?",
                 [session_id, LIVE, cut["artifact_seq"], old_end[0]])]
             for chunk in _chunks(later):
@@ -222,14 +223,14 @@ class ProvenanceStore:
     def _cut(self, session_id: str, splice: p.CheckpointRecord) -> dict[str, Any]:
         """Where the live session is cut at `splice`: its artifact seq and checkpoint rowid (0, 0 for a point
         before the first checkpoint: a rollback to a snapshot taken before any)."""
-        rows = self._rows("SELECT artifact_seq, rowid FROM prov_checkpoints WHERE session_id = ? AND branch = ? "
+        rows = self.db.rows("SELECT artifact_seq, rowid FROM prov_checkpoints WHERE session_id = ? AND branch = ? "
                           "AND checkpoint_id = ?", [session_id, LIVE, splice.checkpoint_id])
         return rows[0] if rows else {"artifact_seq": 0, "rowid": 0}
 
     def after(self, session_id: str, splice: p.CheckpointRecord) -> tuple[int, int]:
         """(artifacts, checkpoints) of the live session after `splice`: what a rollback to it removes."""
         cut = self._cut(session_id, splice)
-        row = self._rows(
+        row = self.db.rows(
             "SELECT (SELECT COUNT(*) FROM prov_artifacts WHERE session_id = ? AND branch = ? AND seq > ?) AS a, "
             "(SELECT COUNT(*) FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid > ?) AS c",
             [session_id, LIVE, cut["artifact_seq"], session_id, LIVE, cut["rowid"]])[0]
@@ -251,7 +252,7 @@ class ProvenanceStore:
             "FROM prov_edges e JOIN prov_artifacts a ON a.session_id = ? AND a.branch = e.branch "
             "AND a.artifact_id = e.child WHERE e.session_id = ? AND e.branch = ?", [child, child, session_id, LIVE])
         checkpoints = 0
-        for row in self._rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid <= ? "
+        for row in self.db.rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND rowid <= ? "
                               "ORDER BY rowid", [session_id, LIVE, cut["rowid"]]):
             row.update(session_id=child, snapshot_id=snapshots.get(row["snapshot_id"] or ""))
             self.db.insert("prov_checkpoints", row)

@@ -18,32 +18,16 @@ import json
 import logging
 import os
 import re
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from sandboxd.db import Database
 from sandboxd.revocation.forgetting import ForgetFilter, fingerprints_for, piece_fingerprints, target_forms
+from sandboxd.revocation.leakscan import needles_for
 
 log = logging.getLogger("sandboxd")
-
-
-def needles_for_forms(forms: list[str]) -> list[bytes]:
-    """Every byte form the project could have written each form in: UTF-8, UTF-16 (both orders), JSON
-    (ASCII-escaped, raw, and escaped twice), MessagePack and percent-encoding."""
-    out: list[bytes] = []
-    for form in forms:
-        escaped = json.dumps(form)[1:-1]
-        out += [form.encode("utf-8", "surrogatepass"), form.encode("utf-16-le", "surrogatepass"),
-                form.encode("utf-16-be", "surrogatepass"), escaped.encode(),
-                json.dumps(form, ensure_ascii=False)[1:-1].encode("utf-8", "surrogatepass"),
-                json.dumps(escaped)[1:-1].encode(), msgspec.msgpack.encode(form),
-                urllib.parse.quote(form, safe="").encode()]
-    return [needle for needle in dict.fromkeys(out) if needle]
 
 
 _ID_ALPHABETS = ("0123456789", "ABCDEFGHJKLMNPQRSTUVWXYZ", "abcdefghijkmnpqrstuvwxyz")
@@ -215,5 +199,5 @@ def target_filter(target: str, pieces: list[str], salt: bytes) -> ForgetFilter:
 
 def byte_needles(target: str, pieces: list[str]) -> list[bytes]:
     """Needles of the target's forms and of the pieces of a split target."""
-    return needles_for_forms([*target_forms(target), *(p for p in pieces if p.strip())])
+    return needles_for(*target_forms(target), *(p for p in pieces if p.strip()))
 

@@ -21,6 +21,10 @@ The rolling hash value of the target is stored XOR a mask derived from the salt 
 Stored in the clear it would be a second, unsalted-in-effect equation in the target: two
 fingerprints of the same length share the secret base, so guessing one target would yield the base
 and let the guess of the other be checked offline.
+
+Why one module of this size: the fingerprint, the decoded views it matches in and the span mapping
+back to the original text are one security argument (what is stored, what it reveals, how a match is
+confirmed); kept together, a reader can check it in one sitting.
 """
 
 from __future__ import annotations

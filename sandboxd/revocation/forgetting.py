@@ -203,19 +203,21 @@ class ForgetFilter:
                 pass
         return self.holds(text)
 
-    def rendered(self, text: str, render: Callable[[Any], str]) -> str:
-        """An observation filtered as the result it was rendered from would be: when `text` is `render` of
-        a JSON value, that value is filtered and rendered again (so revoking a whole structured result
-        leaves its structure, as a fresh call filtered by value does); any other text is filtered as text."""
-        if not self.fingerprints or not text:
-            return text
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return self.text(text)
-        if not isinstance(value, dict) or render(value) != text:
-            return self.text(text)
-        return self.across_structure(render(self.value(value)))
+    def rendered(self, text: str, render: Callable[[Any], str], data: Any = None) -> tuple[str, Any]:
+        """A result filtered as its data: (clean text, clean data, None without data).
+
+        The one way structured results are sanitized, whether a call returns them now (`data` given) or a
+        recorded observation is re-fed (`data` None: read back from `text`, a JSON object). When `text` is
+        `render(data)`, the data is filtered value by value and rendered again, so no serialization of it
+        (escaped or not) carries a forgotten value and revoking a whole structured result leaves its
+        structure, as a fresh call filtered by value does; any other text is filtered as text."""
+        given = data is not None
+        if not given and self.fingerprints:
+            data = _json_object(text)
+        clean = self.value(data) if data is not None and self.fingerprints else data
+        if data is not None and self.fingerprints and render(data) == text:
+            return self.across_structure(render(clean)), clean if given else None
+        return self.text(text), clean if given else None
 
     def across_structure(self, rendered: str) -> str:
         """A rendering of clean data without the forgotten values that span its syntax (`{"to": ["eve@...`).
@@ -241,3 +243,14 @@ class ForgetFilter:
         clean = self.value(value)
         return text if clean == value else json.dumps(clean, sort_keys=True, separators=(",", ":"),
                                                       ensure_ascii=False)
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """`text` read as a JSON object, None when it is not one."""
+    if text.lstrip()[:1] != "{":
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -76,7 +76,7 @@ class Forgotten:
         """A recorded input with every forgotten value excised, as a fresh call would get it: the result of a
         tool served in the daemon (`rendered`) was rendered from data, and is filtered as that data."""
         forget = self.filter(session_id)
-        return forget.rendered(artifact.content, result_text) if rendered else forget.text(artifact.content)
+        return forget.rendered(artifact.content, result_text)[0] if rendered else forget.text(artifact.content)
 
     def drop(self, session_id: str) -> None:
         """A closed session keeps its fingerprints (a value it forgot must stay out of its records too); only

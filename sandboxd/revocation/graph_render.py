@@ -8,6 +8,9 @@ The SVG layout is layered: a column per observation step, split into sub-columns
 within the step (a model turn, then its tool call, then ...), so every edge runs left to right; rows
 follow recording order. Artifact text is untrusted (it is what an injection wrote), so every string
 is escaped for its format and stripped of characters XML 1.0 cannot carry.
+
+Why one module of this size: three renderings of one graph (JSON, DOT, SVG) share the escaping of
+untrusted text and the layout's columns; most of its length is the SVG layout, which has no other user.
 """
 
 from __future__ import annotations

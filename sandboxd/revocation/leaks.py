@@ -22,11 +22,9 @@ from sandboxd.revocation.erasure import (
     MIN_NEEDLE_BYTES,
     SENT_OUT,
     Exempt,
-    byte_needles,
     cells,
     distinctive,
     minted,
-    target_filter,
 )
 from sandboxd.revocation.forgetting import ForgetFilter
 from sandboxd.revocation.leakscan import LeakReport, scan_paths
@@ -135,9 +133,9 @@ class LeakScanner:
         self.context = context
         """The session's recorded context blocks, whose text the agent's engine holds."""
 
-    def scan(self, session_id: str, target: str, pieces: list[str], kept: Exempt) -> LeakScan:
-        wanted = target_filter(target, pieces, self.salt)
-        needles = byte_needles(target, pieces)
+    def scan(self, session_id: str, wanted: ForgetFilter, needles: list[bytes], kept: Exempt) -> LeakScan:
+        """Where `wanted` (one revoked target's filter) still finds it, by meaning in the records and by its
+        byte forms `needles` (`erasure.byte_needles`) in files, pages, the sandbox and the agent's context."""
         scan = scan_cells(self.db, wanted, session_id, kept)
         shared = [path for path in self.state_dir.iterdir() if path.name not in NOT_DATA]
         binary = [n for n in needles if distinctive(n)]

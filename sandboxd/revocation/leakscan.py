@@ -19,6 +19,7 @@ import os
 import posixpath
 import stat
 import tarfile
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -66,16 +67,18 @@ class LeakReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         self.skipped.extend(other.skipped)
 
 
-def needles_for(target: str) -> list[bytes]:
-    """The byte forms a target is likely stored in: UTF-8, UTF-16-LE, JSON-escaped, MessagePack."""
-    forms = [
-        target.encode("utf-8"),
-        target.encode("utf-16-le"),
-        json.dumps(target)[1:-1].encode("utf-8"),
-        json.dumps(target, ensure_ascii=False)[1:-1].encode("utf-8"),
-        msgspec.msgpack.encode(target),
-    ]
-    return list(dict.fromkeys(form for form in forms if form))
+def needles_for(*forms: str) -> list[bytes]:
+    """Every byte form the project could have written each form in: UTF-8, UTF-16 (both orders), JSON
+    (ASCII-escaped, raw, and escaped twice), MessagePack and percent-encoding; no empty one, no repeat."""
+    out: list[bytes] = []
+    for form in forms:
+        escaped = json.dumps(form)[1:-1]
+        out += [form.encode("utf-8", "surrogatepass"), form.encode("utf-16-le", "surrogatepass"),
+                form.encode("utf-16-be", "surrogatepass"), escaped.encode(),
+                json.dumps(form, ensure_ascii=False)[1:-1].encode("utf-8", "surrogatepass"),
+                json.dumps(escaped)[1:-1].encode(), msgspec.msgpack.encode(form),
+                urllib.parse.quote(form, safe="").encode()]
+    return [needle for needle in dict.fromkeys(out) if needle]
 
 
 class _Matcher:

@@ -37,7 +37,7 @@ from sandboxd.errors import (
     UnknownSession,
 )
 from sandboxd.provenance.store import ProvenanceStore
-from sandboxd.revocation.erasure import MIN_NEEDLE_BYTES, scrub_database, scrub_log, target_filter
+from sandboxd.revocation.erasure import MIN_NEEDLE_BYTES, byte_needles, scrub_database, scrub_log, target_filter
 from sandboxd.revocation.forgetting import ForgetFilter
 from sandboxd.revocation.forgotten import Forgotten
 from sandboxd.revocation.leaks import LeakScan, LeakScanner, kept_cells
@@ -124,10 +124,12 @@ class RevocationOperator:
 
     def _plan(self, request_id: str, row: RevocationRow, branch: Branch) -> p.BeginRevocationResponse:
         sid, checkpoint = row.session_id, branch.splice
-        inputs = [p.ExogenousInput(type=a.type, text=self._sanitized(sid, a))
-                  for a in self.provenance.artifacts(sid)
+        live = self.provenance.artifacts(sid)
+        inputs = [p.ExogenousInput(type=a.type, text=self._sanitized(sid, a)) for a in live
                   if a.type in ("user", "memory") and not a.parents and a.step > checkpoint.step]
-        source = self.provenance.artifact(sid, row.source)
+        source = next((a for a in live if a.artifact_id == row.source), None)
+        if source is None:
+            raise NotFound(f"session {sid} has no artifact {row.source!r}", artifact_id=row.source)
         source_call = source.parents[0] if source.type == "observation" and source.parents else None
         return p.BeginRevocationResponse(
             request_id=request_id, revocation_id=row.revocation_id, branch=branch.id, checkpoint=checkpoint,
@@ -147,7 +149,7 @@ class RevocationOperator:
         branch = found[0]
         with self.sessions.lock(row.session_id):
             effects = self.branches.commit(branch).get("firewall", {})
-            scan = self._erase(row)
+            scan = self._erase(row, branch)
             report = self._report(row, branch, effects, scan, req)
             self.records.update(req.revocation_id, state="done", report=msgspec.json.encode(report).decode())
         self.committed(row.raised_by)
@@ -155,7 +157,7 @@ class RevocationOperator:
                  extra={"session_id": row.session_id, "request_id": req.request_id})
         return p.CommitRevocationResponse(request_id=req.request_id, report=report)
 
-    def _erase(self, row: RevocationRow) -> LeakScan:
+    def _erase(self, row: RevocationRow, branch: Branch) -> LeakScan:
         """Make forgetting physical, then scan for what is left; each remaining hit carries its reason.
 
         The target stays in this process's memory only, for the scan: its row loses it first. After a crash
@@ -165,8 +167,8 @@ class RevocationOperator:
         self._settle_others(sid, row.revocation_id)
         # This target's forms only, while it is known: the session's earlier revocations were scrubbed already.
         forget = target_filter(target, pieces, self.forgotten.salt) if target else self.forgotten.filter(sid)
-        since = self._checkpoint(sid, row.checkpoint_id).created_at if row.checkpoint_id else 0.0
-        kept = kept_cells(sid, row.branch or "", since)
+        # The branch carries its splice: the checkpoint is not read again.
+        kept = kept_cells(sid, branch.id, branch.splice.created_at)
         scrub_database(self.db, forget, sid, kept)
         if self.log_path is not None:
             # A log line is prose: a value too short to be told from it is left in it (see erasure.distinctive).
@@ -175,15 +177,17 @@ class RevocationOperator:
         self.db.purge()
         if target is None:
             return LeakScan(skipped=["the leak scan: the target was lost with the process that held it"])
-        scan = self.scanner.scan(sid, target, pieces, kept)
+        # The filter that scrubbed is the one that scans, and its byte forms are made once for every scan.
+        needles = byte_needles(target, pieces)
+        scan = self.scanner.scan(sid, forget, needles, kept)
         if any(where.startswith(("state.db", "sandboxd.log")) for where in scan.unexplained):
             # secure_delete zeroes deleted cells, yet under concurrent writers a copy has been seen to survive
             # a page rebalance; a full rewrite of the database removes it. Rare, so not always.
             self.db.vacuum()
-            scan = self.scanner.scan(sid, target, pieces, kept)
+            scan = self.scanner.scan(sid, forget, needles, kept)
         if any(":image" in where for where in scan.unexplained):
             self.sessions.store.trim(sid)
-            scan = self.scanner.scan(sid, target, pieces, kept)
+            scan = self.scanner.scan(sid, forget, needles, kept)
         return scan
 
     def _settle_others(self, sid: str, done: str) -> None:
@@ -257,7 +261,7 @@ class RevocationOperator:
                 self.records.update(row.revocation_id, state="pending", branch=None)
                 log.warning("revocation %s was replaying at a crash: pending again", row.revocation_id)
             elif found[1] == "live":
-                scan = self._erase(row)
+                scan = self._erase(row, found[0])
                 report = self._report(row, found[0], {}, scan, None)
                 self.records.update(row.revocation_id, state="done", report=msgspec.json.encode(report).decode())
                 log.warning("revocation %s was committing at a crash: rolled forward", row.revocation_id)
@@ -268,7 +272,7 @@ class RevocationOperator:
             self.branches.abandon(found[0])
 
     def _checkpoint(self, sid: str, checkpoint_id: str | None) -> p.CheckpointRecord:
-        for checkpoint in self.provenance.checkpoints(sid):
-            if checkpoint.checkpoint_id == checkpoint_id:
-                return checkpoint
+        checkpoint = self.provenance.checkpoint(sid, checkpoint_id) if checkpoint_id else None
+        if checkpoint is not None:
+            return checkpoint
         raise NotFound(f"checkpoint {checkpoint_id} of {sid} is gone", checkpoint_id=checkpoint_id)

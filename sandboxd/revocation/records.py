@@ -87,13 +87,17 @@ class Revocations:
         may run on from the source into the results that follow it (then it is forgotten piece by piece).
         Tau is where it first entered: the earliest observation holding it, if that is before the source."""
         self.check_open(session_id)
-        tau, last, closure, checkpoint = self.provenance.query(session_id, source)
-        content = self.provenance.artifact(session_id, source).content
+        source_artifact = self.provenance.artifact(session_id, source)
+        tau, last, closure, checkpoint = self.provenance.locate(session_id, source_artifact)
+        content = source_artifact.content
         whole = target if target is not None else content
         if not whole.strip():
             raise InvalidArguments("revoke", f"nothing to revoke: the {'target' if target is not None else 'source'}"
                                    " is empty or only whitespace", "$.target")
-        wanted = target_filter(whole, [], self.forgotten.salt)
+        try:
+            wanted = target_filter(whole, [], self.forgotten.salt)
+        except ValueError as exc:
+            raise InvalidArguments("revoke", f"nothing to revoke: {exc}", "$.target") from exc
         pieces: list[str] = []
         if not wanted.holds(content):
             pieces = self._split_across(session_id, source, whole)
@@ -123,11 +127,8 @@ class Revocations:
 
     def _refuse_repeat(self, session_id: str, source: str, target: str | None, whole: str) -> None:
         """Refuse, when it is raised, a revocation that could only fail or repeat one already made: a target
-        that cannot be fingerprinted, one already pending, one already forgotten, a source already revoked."""
-        try:
-            target_filter(whole, [], self.forgotten.salt)
-        except ValueError as exc:
-            raise InvalidArguments("revoke", f"nothing to revoke: {exc}", "$.target") from exc
+        already pending, one already forgotten, a source already revoked (one that cannot be fingerprinted
+        was refused before)."""
         for row in self._of(session_id, WAITING):
             if row.target == whole or (target is None and row.source == source):
                 raise OperationRefused(f"{row.revocation_id} already revokes this {'target' if target else 'source'} "

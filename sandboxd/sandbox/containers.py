@@ -32,6 +32,7 @@ from sandboxd.config import DaemonConfig
 from sandboxd.errors import SandboxUnavailable
 from sandboxd.revocation.leakscan import LeakReport, scan_inside, scan_paths
 from sandboxd.sandbox.channel import ExecutorChannel
+from snapshots.base import write_atomic
 
 SOCKET_IN_CONTAINER = "/run/sandboxd/exec.sock"
 LABEL_SESSION = "sandboxd.session"
@@ -102,10 +103,8 @@ class ContainerManager:
         self.bin_dir.mkdir(parents=True, exist_ok=True)
         source = resources.files("sandboxd.sandbox").joinpath("executor.py")
         target = self.bin_dir / "executor.py"
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(source.read_bytes())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
+        write_atomic(target, lambda fh: fh.write(source.read_bytes()))
+        os.chmod(target, 0o644)
 
     def name(self, session_id: str) -> str:
         return f"sandboxd-{self.instance[:8]}-{session_id}"

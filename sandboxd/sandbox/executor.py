@@ -6,6 +6,10 @@ nothing but Debian's python3. Frames are a 4-byte big-endian length followed by 
 
 The daemon is the only client; it serialises calls per session, so the executor never runs two
 calls at once and can reap every stray process between calls.
+
+Why one module of this size: it is copied into the tool image as one file and run there by Debian's
+python3 with no package around it (`docker/Dockerfile`), so it cannot import siblings; `LocalSandbox`
+runs the same file in-process.
 """
 
 from __future__ import annotations

@@ -48,6 +48,10 @@ class LocalSandbox:
             self._workspaces.pop(session_id, None)
         shutil.rmtree(self.scratch_root / session_id, ignore_errors=True)
 
+    def stop(self, session_id: str) -> None:
+        """Its requests fail as a stopped container's do until `ensure_running`."""
+        self.stopped.add(session_id)
+
     def ensure_running(self, session_id: str) -> bool:
         self.stopped.discard(session_id)
         return session_id in self._workspaces

@@ -21,6 +21,7 @@ import docker
 from agent.compare import TREE_LISTING
 from sandboxd.client import Client
 from sandboxd.launcher import DaemonProcess
+from tests.sinks import HttpSink, MailSink
 
 __all__ = ["DaemonProcess", "RUNTIMES", "both_runtimes", "tree_listing_code"]
 
@@ -80,3 +81,21 @@ def session(client: Client) -> str:
 def tree_listing_code() -> str:
     """Python run inside a sandbox that prints its workspace tree: path, type, mode, size, digest."""
     return TREE_LISTING
+
+
+# The outside world of the firewall's tests: one fixture each, shared (a test wanting a slow relay
+# overrides `smtp` with a MailSink subclass).
+
+@pytest.fixture
+def smtp() -> Iterator[MailSink]:
+    sink = MailSink()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture
+def http() -> Iterator[HttpSink]:
+    """An HTTP sink whose paths under /slow answer after 3 s (longer than the adapters' timeouts)."""
+    sink = HttpSink(delay=3.0)
+    yield sink
+    sink.close()

@@ -17,12 +17,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from aiosmtpd.controller import Controller
 
 from sandboxd import protocol as p
 from sandboxd.client import Client, RemoteError
 from sandboxd.launcher import DaemonProcess
-from tests.sinks import HttpSink, SmtpSink
+from tests.sinks import HttpSink, MailSink
 
 EMAIL: dict[str, object] = {"to": ["team@example.test"], "subject": "notes", "body": "v2 is out"}
 
@@ -31,9 +30,7 @@ class Sinks:
     """The outside world: an SMTP sink and an HTTP sink (the webhook at /hook, its undo at /undo)."""
 
     def __init__(self) -> None:
-        self.smtp = SmtpSink()
-        self.controller = Controller(self.smtp, hostname="127.0.0.1", port=self.smtp.port)
-        self.controller.start()
+        self.smtp = MailSink()
         self.http = HttpSink()
 
     def posts(self, path: str) -> list[dict[str, object]]:
@@ -51,7 +48,7 @@ class Sinks:
         return path
 
     def close(self) -> None:
-        self.controller.stop()
+        self.smtp.close()
         self.http.close()
 
 

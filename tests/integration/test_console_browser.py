@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosmtpd.controller import Controller
 
 from sandboxd import protocol as p
 from sandboxd.auth import generate_keys, read_public_key, read_secret_key
@@ -26,7 +25,7 @@ from sandboxd.console.app import Console
 from sandboxd.launcher import DaemonProcess
 from tests.browser import big_graph, chrome, serve_console
 from tests.integration.operator_world import Sinks, drive, notes, operated, sinks
-from tests.sinks import SmtpSink
+from tests.sinks import MailSink
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
@@ -41,17 +40,9 @@ pytestmark = [pytest.mark.docker,
               pytest.mark.skipif(not shutil.which("chromedriver"), reason="needs Debian's chromium-driver")]
 
 
-@pytest.fixture
-def smtp() -> Iterator[SmtpSink]:
-    sink = SmtpSink()
-    controller = Controller(sink, hostname="127.0.0.1", port=sink.port)
-    controller.start()
-    yield sink
-    controller.stop()
-
 
 @pytest.fixture
-def firewalled(daemon_factory: Callable[..., DaemonProcess], smtp: SmtpSink, tmp_path: Path) -> DaemonProcess:
+def firewalled(daemon_factory: Callable[..., DaemonProcess], smtp: MailSink, tmp_path: Path) -> DaemonProcess:
     config = tmp_path / "sandboxd.toml"
     config.write_text(f'[firewall.smtp]\nhost = "127.0.0.1"\nport = {smtp.port}\n'
                       '[firewall.release]\nsend_email = "manual"\n')
@@ -98,7 +89,7 @@ def test_login_needs_the_token(console: tuple[str, Console], browser: object) ->
 
 
 def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser: object, firewalled: DaemonProcess,
-                                           smtp: SmtpSink) -> None:
+                                           smtp: MailSink) -> None:
     import httpx
 
     base, app = console
@@ -130,7 +121,7 @@ def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser
                                                          "csrf": app.csrf}, cookies={"sandboxd_console": app.token})
     assert "Refused" in again.text
     time.sleep(0.5)
-    assert smtp.count == 1 and b"pay invoice 1 today" in smtp.messages[0][2]
+    assert smtp.count == 1 and b"pay invoice 1 today" in smtp.envelopes[0][2]
     states = {c.call_id: c.state for c in client.calls(sid)}
     assert states[kept.call_id] in ("done", "released") and states[gone.call_id] == "dropped"
     # Who decided and why is in each call's ledger history (read here from the daemon's database).

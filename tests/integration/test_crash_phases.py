@@ -5,6 +5,9 @@ working; every acknowledged snapshot restores to its exact tree and no half-take
 restore cut off leaves the workspace either as it was or as the snapshot, never a mix; and no
 container or overlay mount outlives the sessions that owned it. Kill moments are drawn from a seeded
 `random.Random`, so a failing run can be repeated.
+
+Why one module of this size: one crash point per test over the same daemon fixtures; the points are
+read together to see that every phase of an operation is covered.
 """
 
 from __future__ import annotations

@@ -11,17 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosmtpd.controller import Controller
 
 from sandboxd import protocol as p
 from sandboxd.client import Client, DaemonUnreachable, RemoteError
 from sandboxd.launcher import DaemonProcess
-from tests.sinks import HttpSink, SmtpSink
+from tests.sinks import HttpSink, MailSink
 
 pytestmark = pytest.mark.docker
 
 
-class SlowSmtpSink(SmtpSink):
+class SlowSmtpSink(MailSink):
     """An SMTP sink that records each message, then takes `delay` seconds to say 250."""
 
     def __init__(self, delay: float = 0.0) -> None:
@@ -38,26 +37,18 @@ class SlowSmtpSink(SmtpSink):
 
     def message_ids(self) -> list[str]:
         with self._lock:
-            return [email.message_from_bytes(m[2])["Message-ID"].strip("<>").split("@")[0] for m in self.messages]
+            return [email.message_from_bytes(m[2])["Message-ID"].strip("<>").split("@")[0] for m in self.envelopes]
 
 
 @pytest.fixture
 def smtp() -> Iterator[SlowSmtpSink]:
     sink = SlowSmtpSink()
-    controller = Controller(sink, hostname="127.0.0.1", port=sink.port)
-    controller.start()
-    yield sink
-    controller.stop()
-
-
-@pytest.fixture
-def http() -> Iterator[HttpSink]:
-    sink = HttpSink(delay=3.0)
     yield sink
     sink.close()
 
 
-def config(tmp: Path, smtp: SmtpSink, http: HttpSink, release: dict[str, str] | None = None) -> list[str]:
+
+def config(tmp: Path, smtp: MailSink, http: HttpSink, release: dict[str, str] | None = None) -> list[str]:
     lines = [
         "[firewall]", "adapter_timeout_s = 1.0",
         "[firewall.smtp]", 'host = "127.0.0.1"', f"port = {smtp.port}",

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosmtpd.controller import Controller
 
 from sandboxd.db import Database
 from sandboxd.errors import (
@@ -31,33 +30,19 @@ from sandboxd.errors import (
     InvalidState,
 )
 from sandboxd.firewall import Firewall, parse_config
-from tests.sinks import HttpSink, SmtpSink, free_port
+from tests.sinks import HttpSink, MailSink, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 
-@pytest.fixture
-def smtp() -> Iterator[SmtpSink]:
-    sink = SmtpSink()
-    controller = Controller(sink, hostname="127.0.0.1", port=sink.port)
-    controller.start()
-    yield sink
-    controller.stop()
-
-
-@pytest.fixture
-def http() -> Iterator[HttpSink]:
-    sink = HttpSink(delay=3.0)
-    yield sink
-    sink.close()
 
 
 MakeFirewall = Callable[..., Firewall]
 
 
 @pytest.fixture
-def make_firewall(smtp: SmtpSink, http: HttpSink, tmp_path: Path) -> Iterator[MakeFirewall]:
+def make_firewall(smtp: MailSink, http: HttpSink, tmp_path: Path) -> Iterator[MakeFirewall]:
     made: list[tuple[Firewall, Any]] = []
 
     def make(**overrides: Any) -> Firewall:
@@ -99,17 +84,17 @@ def test_manifests_describe_external_tools(make_firewall: MakeFirewall) -> None:
     ]
 
 
-def test_distinct_sends_deliver_one_message_each(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
+def test_distinct_sends_deliver_one_message_each(make_firewall: MakeFirewall, smtp: MailSink) -> None:
     firewall = make_firewall()
     results = [firewall.call("s", "lin", "send_email", email(body=f"n={i}")) for i in range(5)]
     assert smtp.count == 5 and len({r.call_id for r in results}) == 5
     assert all(r.state == "done" and not r.deduplicated for r in results)
-    message_ids = [m[2].split(b"Message-ID: ")[1].split(b"\r\n")[0].decode() for m in smtp.messages]
+    message_ids = [m[2].split(b"Message-ID: ")[1].split(b"\r\n")[0].decode() for m in smtp.envelopes]
     assert message_ids == [f"<{r.call_id}@sandboxd>" for r in results]
-    assert smtp.messages[0][:2] == ("agent@sandboxd.test", ["alice@example.com"])
+    assert smtp.envelopes[0][:2] == ("agent@sandboxd.test", ["alice@example.com"])
 
 
-def test_retry_with_the_same_call_id_delivers_once(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
+def test_retry_with_the_same_call_id_delivers_once(make_firewall: MakeFirewall, smtp: MailSink) -> None:
     firewall = make_firewall()
     first = firewall.call("s", "lin", "send_email", email(), call_id="agent-7")
     # A cosmetic re-spelling of the same intent is still the same call.
@@ -119,7 +104,7 @@ def test_retry_with_the_same_call_id_delivers_once(make_firewall: MakeFirewall, 
     assert firewall.stats().counters["deduplicated"] == 1
 
 
-def test_identical_sends_without_call_id_deliver_twice(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
+def test_identical_sends_without_call_id_deliver_twice(make_firewall: MakeFirewall, smtp: MailSink) -> None:
     firewall = make_firewall()
     a = firewall.call("s", "lin", "send_email", email())
     b = firewall.call("s", "lin", "send_email", email())
@@ -129,7 +114,7 @@ def test_identical_sends_without_call_id_deliver_twice(make_firewall: MakeFirewa
     assert len({a.call_id, b.call_id, c.call_id}) == 3
 
 
-def test_call_id_reused_for_another_intent_conflicts(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
+def test_call_id_reused_for_another_intent_conflicts(make_firewall: MakeFirewall, smtp: MailSink) -> None:
     firewall = make_firewall()
     firewall.call("s", "lin", "send_email", email(), call_id="agent-1")
     with pytest.raises(CallIdConflict) as caught:
@@ -139,7 +124,7 @@ def test_call_id_reused_for_another_intent_conflicts(make_firewall: MakeFirewall
 
 
 def test_shadow_replay_delivers_once_and_reports_orphans(
-    make_firewall: MakeFirewall, smtp: SmtpSink, http: HttpSink
+    make_firewall: MakeFirewall, smtp: MailSink, http: HttpSink
 ) -> None:
     firewall = make_firewall()
     kept = firewall.call("s1", "root", "send_email", email(body="kept"))
@@ -160,7 +145,7 @@ def test_shadow_replay_delivers_once_and_reports_orphans(
     assert firewall.stats().counters["orphaned"] == 1
 
 
-def test_replay_counts_occurrences_from_zero(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
+def test_replay_counts_occurrences_from_zero(make_firewall: MakeFirewall, smtp: MailSink) -> None:
     firewall = make_firewall()
     originals = [firewall.call("s", "root", "send_email", email()) for _ in range(2)]
     branch = firewall.open_replay("root")
@@ -172,7 +157,7 @@ def test_replay_counts_occurrences_from_zero(make_firewall: MakeFirewall, smtp: 
     assert smtp.count == 2 and firewall.outbox() == []
 
 
-def test_on_commit_effect_waits_for_the_commit(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
+def test_on_commit_effect_waits_for_the_commit(make_firewall: MakeFirewall, smtp: MailSink) -> None:
     firewall = make_firewall(release={"send_email": "on_commit"})
     with pytest.raises(InvalidArguments, match="turn"):
         firewall.call("s", "lin", "send_email", email())
@@ -186,7 +171,7 @@ def test_on_commit_effect_waits_for_the_commit(make_firewall: MakeFirewall, smtp
 
 
 def test_on_commit_effect_dropped_with_its_turn_never_fires(
-    make_firewall: MakeFirewall, smtp: SmtpSink
+    make_firewall: MakeFirewall, smtp: MailSink
 ) -> None:
     firewall = make_firewall(release={"send_email": "on_commit"})
     held = firewall.call("s", "lin", "send_email", email(), turn=4)
@@ -243,7 +228,7 @@ def test_http_get_reads_through_the_allowlist_without_ledger(
     assert http.requests[0]["method"] == "GET" and firewall.calls("s") == []
 
 
-def test_malformed_address_is_refused(make_firewall: MakeFirewall, smtp: SmtpSink) -> None:
+def test_malformed_address_is_refused(make_firewall: MakeFirewall, smtp: MailSink) -> None:
     firewall = make_firewall()
     with pytest.raises(InvalidArguments) as caught:
         firewall.call(
@@ -278,7 +263,7 @@ def test_timeout_after_sending_leaves_the_call_unknown(make_firewall: MakeFirewa
 
 
 def test_unreachable_server_fails_cleanly_and_may_be_retried(
-    make_firewall: MakeFirewall, smtp: SmtpSink
+    make_firewall: MakeFirewall, smtp: MailSink
 ) -> None:
     firewall = make_firewall(smtp={"port": free_port()})
     for attempt in (1, 2):

@@ -6,6 +6,9 @@ Complements tests/integration/test_sandbox.py (loopback TCP to the host, capabil
 process, writes outside /workspace, the plain fork bomb, the Python memory hog, stdout cap, timeouts of
 a backgrounded child, two sessions' files by name). Network checks only ever aim at loopback
 addresses, a socket the test itself listens on, or the container's own interfaces.
+
+Why one module of this size: one container per runtime, probed for every hardening property in turn;
+the probes are read together as the sandbox's security checklist.
 """
 
 from __future__ import annotations

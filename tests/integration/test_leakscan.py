@@ -42,7 +42,9 @@ def test_needles_cover_the_usual_encodings() -> None:
     assert json.dumps(SECRET)[1:-1].encode() in needles
     assert msgspec.msgpack.encode(SECRET) in needles
     assert len(needles) == len(set(needles))
-    assert needles_for("plain") == [b"plain", "plain".encode("utf-16-le"), msgspec.msgpack.encode("plain")]
+    assert needles_for("plain") == [b"plain", "plain".encode("utf-16-le"), "plain".encode("utf-16-be"),
+                                    msgspec.msgpack.encode("plain")]
+    assert needles_for("a b")[-1] == b"a%20b" and needles_for() == []
 
 
 def test_sqlite_wal_leak_is_found_then_gone_after_secure_delete(tmp_path: Path) -> None:

@@ -1,5 +1,9 @@
 """`sandboxd mcp` driven by the MCP SDK's own client, over stdio and streamable HTTP, against a real daemon,
-the Docker engine, and real SMTP and HTTP sinks that count what actually arrived."""
+the Docker engine, and real SMTP and HTTP sinks that count what actually arrived.
+
+Why one module of this size: the MCP server's tests share one world (daemon, sinks, server process)
+that is costly to build; splitting them would build it once per file.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,6 @@ from typing import Any, cast
 
 import anyio
 import pytest
-from aiosmtpd.controller import Controller
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
@@ -29,14 +32,14 @@ from mcp_types import CallToolResult, RequestParamsMeta, TextContent
 
 from sandboxd.client import Client as DaemonClient
 from sandboxd.launcher import DaemonProcess
-from tests.sinks import HttpSink, SmtpSink, free_port
+from tests.sinks import HttpSink, MailSink, free_port
 
 pytestmark = pytest.mark.docker
 
 TOKEN = "test-token-" + "x" * 24
 
 
-class FirstSlowSmtpSink(SmtpSink):
+class FirstSlowSmtpSink(MailSink):
     """An SMTP sink that takes `delay` seconds to accept the next message after `arm()`, then is quick again."""
 
     def __init__(self) -> None:
@@ -58,8 +61,6 @@ class World:
 
     def __init__(self, root: Path) -> None:
         self.smtp = FirstSlowSmtpSink()
-        self.controller = Controller(self.smtp, hostname="127.0.0.1", port=self.smtp.port)
-        self.controller.start()
         self.http = HttpSink()
         config = root / "sandboxd.toml"
         config.write_text("\n".join([
@@ -76,7 +77,7 @@ class World:
     def close(self) -> None:
         self.ops.close()
         self.daemon.shutdown()
-        self.controller.stop()
+        self.smtp.close()
         self.http.close()
 
 

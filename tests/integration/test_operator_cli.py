@@ -17,18 +17,17 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosmtpd.controller import Controller
 
 from sandboxd import protocol as p
 from sandboxd.client import Client, DaemonUnreachable, FrameTooLarge, RemoteError
 from sandboxd.launcher import DaemonProcess
-from tests.sinks import HttpSink, SmtpSink
+from tests.sinks import HttpSink, MailSink
 
 pytestmark = pytest.mark.docker
 
@@ -66,24 +65,10 @@ def minted(stderr: str) -> str:
     return line.split()[3].rstrip(";")
 
 
-@pytest.fixture
-def smtp() -> Iterator[SmtpSink]:
-    sink = SmtpSink()
-    controller = Controller(sink, hostname="127.0.0.1", port=sink.port)
-    controller.start()
-    yield sink
-    controller.stop()
 
 
 @pytest.fixture
-def http() -> Iterator[HttpSink]:
-    sink = HttpSink(delay=3.0)
-    yield sink
-    sink.close()
-
-
-@pytest.fixture
-def firewalled(daemon_factory: Callable[..., DaemonProcess], smtp: SmtpSink, http: HttpSink,
+def firewalled(daemon_factory: Callable[..., DaemonProcess], smtp: MailSink, http: HttpSink,
                tmp_path: Path) -> DaemonProcess:
     """A daemon whose mail and webhooks are held (manual, on_commit) and whose HTTP requests fire at once."""
     path = tmp_path / "sandboxd.toml"
@@ -101,7 +86,7 @@ def mail(to: str, subject: str, body: str) -> str:
     return json.dumps({"to": [to], "subject": subject, "body": body})
 
 
-def test_approvals_an_operator_can_judge(firewalled: DaemonProcess, smtp: SmtpSink, http: HttpSink) -> None:
+def test_approvals_an_operator_can_judge(firewalled: DaemonProcess, smtp: MailSink, http: HttpSink) -> None:
     cli = Cli(firewalled.endpoint)
     a, b = cli("session", "open").stdout.strip(), cli("session", "open").stdout.strip()
     sent = cli("call", a, "send_email", "--args", mail("cfo@example.test", "Q3 wire", "pay 10k to acct 42"))
@@ -144,7 +129,7 @@ def test_approvals_an_operator_can_judge(firewalled: DaemonProcess, smtp: SmtpSi
     assert "--force" in cli.fails("outbox", "release", closed["call_id"], code="session_closed")
     assert smtp.count == 0
     cli("outbox", "release", closed["call_id"], "--force", "--reason", "promised to the customer")
-    assert smtp.count == 1 and smtp.messages[0][1] == ["x@example.test"]
+    assert smtp.count == 1 and smtp.envelopes[0][1] == ["x@example.test"]
     assert other in [i for c in cli.json("calls", "all") for i in c["agent_call_ids"]]
 
     # Bad decisions are refused with their reason, and nothing fires.

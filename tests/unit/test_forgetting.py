@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from sandboxd.firewall.handlers import result_text
 from sandboxd.revocation.detector import RuleBasedDetector
-from sandboxd.revocation.erasure import needles_for_forms
 from sandboxd.revocation.forgetting import (
     ForgetFilter,
     detected_targets,
@@ -28,6 +27,7 @@ from sandboxd.revocation.forgetting import (
     piece_fingerprints,
     target_forms,
 )
+from sandboxd.revocation.leakscan import needles_for
 
 SALT = bytes(range(32))
 TEXT = st.characters(blacklist_categories=("Cs",))
@@ -132,7 +132,7 @@ def test_structures_are_filtered_value_by_value_and_every_serialization_of_them_
     # Bytes are compared only where they mean something: a target of a character or two also occurs inside
     # escapes and length prefixes of other values (`0` in `\u001b`), and one made of syntax can be re-spelled.
     assume(len(target) >= 4 and not any(c in target for c in '"{}[],:\\') and not target.isalnum())
-    needles = needles_for_forms([target])
+    needles = needles_for(target)
     assert not any(needle in blob for needle in needles for blob in encodings)
 
 
@@ -147,6 +147,21 @@ def test_a_whole_structured_observation_forgets_its_content_in_later_structured_
     assert not holds(clean["body"], target)
     if not holds("text/plain", target):
         assert clean["content_type"] == "text/plain"  # structure is not content
+
+
+@EXAMPLES
+@given(target=TARGETS, other=CONTEXT, status=st.integers(0, 999))
+def test_a_result_and_its_recorded_rendering_are_sanitized_alike(target: str, other: str, status: int) -> None:
+    """The one structured path: a call's result (its data at hand) and the same result re-fed from the
+    record (read back from its text) come out the same, and the data is clean."""
+    data = {"body": f"{other} {target}", "status": status, "list": [target, other]}
+    text = result_text(data)
+    now, clean = forget(target).rendered(text, result_text, data)
+    recorded, unknown = forget(target).rendered(text, result_text)
+    assert now == recorded and unknown is None
+    assert clean == forget(target).value(data) and not any(holds(leaf, target) for leaf in leaves(clean))
+    plain, none = forget(target).rendered(f"{other} {target}", result_text)
+    assert plain == forget(target).text(f"{other} {target}") and none is None
 
 
 @EXAMPLES
