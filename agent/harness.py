@@ -104,10 +104,11 @@ def seed_workspace(client: Client, session_id: str, files: dict[str, str]) -> No
 def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, seed: int = 0,
                 forget: list[str] | None = None, hijackable: bool = True,
                 engine: LocalBackend | None = None, setup: Callable[[Client, str], object] | None = None,
-                obey: Obey | None = None, copy: Copy | None = None) -> AgentSession:
+                obey: Obey | None = None, copy: Copy | None = None, context_policy: str = "session") -> AgentSession:
     """Open a sandbox session, seed it, and run the scenario with the scripted policy on the local engine.
 
-    `setup` prepares the session's outside world (an AgentDojo environment) before the agent starts.
+    `setup` prepares the session's outside world (an AgentDojo environment) before the agent starts;
+    `context_policy` is the runtime's (`session`: every block so far; `task`: each task on its own).
     """
     session_id = client.open_session(forget=forget).session_id
     seed_workspace(client, session_id, files)
@@ -116,7 +117,7 @@ def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, se
     engine = engine or LocalBackend.tiny(seed=seed, max_positions=65536)
     agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable, obey=obey,
                                                                             copy=copy),
-                         SeededContext(seed=seed))
+                         SeededContext(seed=seed), context_policy=context_policy)
     agent.start(exogenous_inputs(scenario))
     agent.run()
     return agent
