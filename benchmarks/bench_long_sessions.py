@@ -178,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             row = fg.measure(tau, world, scenario, FILES, args.policy, make_engine)
             rows.append(row)
             print(f"  tau={tau:>2}: {row.get('status')}" + (
-                f", B7 {row['b7_recomputed']} / B5' {row['b5p_recomputed']} / B5 {row['b5_recomputed']} tokens, "
+                f", tokens prefilled+decoded B7 {row['b7_prefilled']}+{row['b7_decoded']}, "
+                f"B5' {row['b5p_prefilled']}+{row['b5p_decoded']}, B5 {row['b5_prefilled']}+{row['b5_decoded']}; "
+                f"ms B7 {row['b7_client_ms']:.0f}, B5' {row['b5p_client_ms']:.0f}, B5 {row['b5_ms']:.0f}; "
                 f"agreement {row['agreement']}" if row.get("status") == "ok" else ""), flush=True)
     print()
     print_table(rows)
