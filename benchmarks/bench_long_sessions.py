@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 from collections.abc import Sequence
@@ -162,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="feed a scripted turn one token per pass (as generation) or in one pass")
     parser.add_argument("--json", type=Path, help="write the rows and the summary here")
     args = parser.parse_args(argv)
+    # A TERM unwinds like ^C: the daemons and their sandboxes are shut down, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     make_engine = (lambda: TokenByToken.tiny(seed=0, max_positions=65536)) if args.decode == "sequential" \
         else fg.engine
     rows: list[dict[str, Any]] = []

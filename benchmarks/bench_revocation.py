@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="every step whose observation is exogenous")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
+    # A TERM unwinds like ^C: the daemons and their sandboxes are shut down, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     rows: list[dict[str, Any]] = []
     with fg.worlds({"/vendors": VENDOR_PAGE}) as world:
