@@ -6,8 +6,8 @@ email), run by the scripted policy on the local engine against real daemons and 
 under the `task` context policy (a task's prompt holds the system prompt, the memories and that task;
 `agent.runtime`). Its turns are fed to the engine one token per forward pass, as generation runs
 (`--decode forced` feeds a turn in one pass, as the scripted backend does elsewhere, so decoding costs
-what prefill costs). For each of `--n` steps drawn uniformly from the session's observation steps
-(seeded), the whole o_tau is revoked and B7, B5' and B5 are measured side by side
+what prefill costs). For each of `--n` steps drawn uniformly from the session's non-empty observation
+steps (seeded), the whole o_tau is revoked and B7, B5' and B5 are measured side by side
 (`benchmarks/_forgetting.py`): B7 this system, B5' the prefix-cached replay that re-decodes every
 suffix turn (run, not derived), B5 the full reset in a world of its own.
 
@@ -172,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         scenario = long_session(world.web.url("/vendors"))
         client = world.a.client()
         probe = fg.run_session(client, scenario, FILES, engine=make_engine(), context_policy=args.policy)
-        steps = sorted(fg.sources(client, probe.session_id))
+        # An empty observation (a write's silent success) has nothing to forget: not drawn.
+        steps = sorted(step for step, a in fg.sources(client, probe.session_id).items() if a.content)
         fg.close(client, probe)
         taus = random.Random(args.seed).choices(steps, k=args.n)
         print(f"long session: {len(steps)} observation steps, {len(scenario.tasks)} tasks, policy {args.policy}, "

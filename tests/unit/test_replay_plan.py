@@ -76,7 +76,7 @@ def test_a_turn_is_prefilled_only_without_a_tainted_parent(turn_parents: list[li
              for k, parents in enumerate(turn_parents)]
     closure = [f"obs-{i}" for i in sorted(tainted)]
     plan = ReplayPlan(blocks + turns, _plan(0, [], closure), EFFECTS, REUSABLE)
-    for turn, parents in zip(turns, turn_parents, strict=True):
+    for parents in turn_parents:
         context = [("observation", f"text {i}") for i in parents]
         found = plan.turn_for(context)
         if not digested or tainted & set(parents):
