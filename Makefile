@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest engine image browser bench eval clean
+.PHONY: demo test lint typecheck pytest engine image browser postgres bench eval clean
 
 demo: $(STAMP) image
 	$(PY) -m sandboxd.demo
@@ -42,7 +42,12 @@ browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver; }
 
-pytest: $(STAMP) image browser
+# The state-on-PostgreSQL tests start their own server (initdb in a temporary directory) from Debian's package.
+postgres:
+	command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql; }
+
+pytest: $(STAMP) image browser postgres
 	$(PY) -m pytest -q -ra
 
 bench: $(STAMP) image

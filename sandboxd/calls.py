@@ -236,6 +236,22 @@ class Calls:
                                             args=canonical_args(req.args), effect=effect, status="running",
                                             created_at=time.time(), branch=req.branch, turn=req.turn))
 
+    def begin_operation(self, session_id: str, tool: str, args: dict[str, Any], effect: str) -> str:
+        """Record an operation on the sandbox that is no tool call (`sandboxd cp`) as running, like a call, so
+        the session's calls show it (and a rollback or fork treats it as one); returns its id. The caller
+        holds the session lock and ends it with `end_operation`."""
+        call_id = "op-" + uuid.uuid4().hex
+        self._begin(call_id, p.CallRequest(request_id="", session_id=session_id, tool=tool, args=args), effect)
+        return call_id
+
+    def end_operation(self, session_id: str, call_id: str, result: dict[str, Any] | SandboxdError) -> None:
+        if isinstance(result, SandboxdError):
+            code, message, details = to_wire(result)
+            self._finish(session_id, call_id, "error",
+                         {"kind": "error", "code": code.value, "message": message, "details": details})
+        else:
+            self._finish(session_id, call_id, "done", {"kind": "result", **result})
+
     def _finish(self, session_id: str, call_id: str, status: str, result: dict[str, Any]) -> None:
         with self.db.transaction():
             self.db.update("calls", {"session_id": session_id, "call_id": call_id}, status=status,
@@ -243,9 +259,11 @@ class Calls:
 
     def interrupt_running(self) -> list[str]:
         """Mark calls a crash cut off; returns their ids."""
+        mine, node = self.db.mine()  # on a shared state database: this daemon's sessions' calls only
         with self.db.transaction():
-            ids = [r["call_id"] for r in self.db.rows("SELECT call_id FROM calls WHERE status = 'running'")]
-            self.db.execute("UPDATE calls SET status = 'interrupted' WHERE status = 'running'")
+            ids = [r["call_id"] for r in self.db.rows("SELECT call_id FROM calls WHERE status = 'running'" + mine,
+                                                      node)]
+            self.db.execute("UPDATE calls SET status = 'interrupted' WHERE status = 'running'" + mine, node)
         return ids
 
     def delete_of(self, session_id: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from sandboxd import protocol as p
-from sandboxd.auth import KeyFileError, generate_keys
+from sandboxd.auth import KeyFileError, generate_keys, read_public_key
 from sandboxd.client import Client
 from sandboxd.config import load_config
 from sandboxd.errors import SandboxdError
@@ -66,13 +66,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     try:
         config = load_config(args.config, state_dir=args.state_dir, endpoint=args.endpoint, image=args.image,
-                             snapshot_backend=args.snapshot_backend, runtime=args.runtime)
+                             snapshot_backend=args.snapshot_backend, runtime=args.runtime, state=args.state,
+                             node_id=args.node_id)
     except ValueError as exc:  # KeyFileError included: say which file, not a traceback
         raise SystemExit(f"sandboxd serve: {exc}") from exc
     try:
         run(config, verbose=args.verbose)
     except (SandboxdError, KeyFileError) as exc:  # an engine or key file that cannot serve as configured
         raise SystemExit(f"sandboxd serve: {exc}") from exc
+
+
+def cmd_fleet_serve(args: argparse.Namespace) -> None:
+    try:
+        from sandboxd.fleet.door import serve
+        from sandboxd.fleet.nodes import NodeSpec
+    except ImportError as exc:
+        raise SystemExit(f"sandboxd fleet: {exc} (install the fleet extra: pip install 'sandboxd[fleet]')") from exc
+    if not args.state.startswith(("postgresql://", "postgres://")):
+        raise SystemExit("sandboxd fleet serve: --state must be the postgresql:// URL every node shares")
+    spec = NodeSpec(state=args.state, state_root=str(Path(args.state_root).resolve()),
+                    config=str(args.config.resolve()) if args.config else "", runtime=args.runtime)
+    door_dir = Path(args.state_root).resolve() / "door"
+    serve(args.ray, spec, args.endpoint or f"ipc://{door_dir / 'sandboxd.sock'}", str(door_dir),
+          cpus=args.sandbox_cpus, memory_mb=args.sandbox_memory_mb)
 
 
 def cmd_mcp(args: argparse.Namespace) -> None:
@@ -109,10 +125,20 @@ def cmd_console(args: argparse.Namespace) -> None:
         daemon.start()
         args.endpoint = daemon.endpoint
     try:
-        serve(Console(lambda: _client(args), token=args.token), args.host, args.port)
+        serve(Console(lambda: _client(args), token=args.token, operator_keys=_console_keys(args)), args.host, args.port)
     finally:
         if daemon is not None:
             daemon.shutdown()
+
+
+def _console_keys(args: argparse.Namespace) -> frozenset[str]:
+    """Operators' public keys whose secret logs in to the console: --operator-key files, and the console's own
+    --client-key (the key it reaches the daemon with)."""
+    files = [*args.operator_key, *([args.client_key] if args.client_key else [])]
+    try:
+        return frozenset(read_public_key(Path(f)) for f in files)
+    except KeyFileError as exc:
+        raise SystemExit(f"sandboxd console: {exc}") from exc
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -150,7 +176,7 @@ def cmd_session(args: argparse.Namespace, client: Client) -> None:
 
 def _sessions_table(sessions: list[p.SessionInfo]) -> str:
     now = time.time()
-    rows = [["SESSION", "STATE", "IMAGE", "AGE", "IDLE", "MEMORY", "CPU", "PIDS", "CLOSES"]]
+    rows = [["SESSION", "STATE", "IMAGE", "AGE", "IDLE", "MEMORY", "CPU", "PIDS", "DISK", "CLOSES"]]
     for s in sessions:
         idle = None if s.last_used_at is None else now - s.last_used_at
         limits = [f"idle {_age(s.idle_timeout_s)}" if s.idle_timeout_s else "",
@@ -158,7 +184,8 @@ def _sessions_table(sessions: list[p.SessionInfo]) -> str:
         cpu = s.usage.get("cpu_s")
         rows.append([s.session_id, s.state, s.image, _age(now - s.created_at), _age(idle),
                      _bytes(s.usage.get("memory_bytes")), "" if cpu is None else f"{cpu:.1f}s",
-                     str(s.usage.get("pids", "")), ", ".join(x for x in limits if x) or "never"])
+                     str(s.usage.get("pids", "")), _bytes(s.usage.get("disk_bytes")),
+                     ", ".join(x for x in limits if x) or "never"])
     return _table(rows)
 
 
@@ -564,6 +591,9 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", type=Path, help="TOML configuration file")
     serve.add_argument("--state-dir")
+    serve.add_argument("--state", metavar="URL",
+                       help="state database: postgresql://... (several daemons may share it); default: SQLite")
+    serve.add_argument("--node-id", help="this daemon's name on a shared state database (default HOST:STATE_DIR)")
     serve.add_argument("--endpoint")
     serve.add_argument("--image")
     serve.add_argument("--snapshot-backend", choices=["overlay", "copy"])
@@ -571,6 +601,19 @@ def parser() -> argparse.ArgumentParser:
                        help="OCI runtime of the sandboxes: runc (default) or runsc (gVisor)")
     serve.add_argument("-v", "--verbose", action="store_true")
     serve.set_defaults(func=cmd_serve, client=False)
+
+    fleet = sub.add_parser("fleet", help="a fleet of daemons on a Ray cluster").add_subparsers(dest="fleet_command",
+                                                                                              required=True)
+    fleet_serve = fleet.add_parser("serve", help="the front door: a daemon per Ray node, sessions routed to theirs")
+    fleet_serve.add_argument("--ray", required=True, metavar="ADDRESS", help="the Ray cluster (ray.init address)")
+    fleet_serve.add_argument("--state", required=True, metavar="URL", help="the postgresql:// database nodes share")
+    fleet_serve.add_argument("--state-root", required=True, help="each node's state directory is made under it")
+    fleet_serve.add_argument("--endpoint", help="the door's endpoint (default: ipc socket under STATE_ROOT/door)")
+    fleet_serve.add_argument("--config", type=Path, help="the TOML configuration every node's daemon reads")
+    fleet_serve.add_argument("--runtime", choices=["runc", "runsc"], default="runc")
+    fleet_serve.add_argument("--sandbox-cpus", type=float, default=0.5, help="Ray CPU a session holds")
+    fleet_serve.add_argument("--sandbox-memory-mb", type=int, default=512, help="Ray memory a session holds")
+    fleet_serve.set_defaults(func=cmd_fleet_serve, client=False)
 
     keys = sub.add_parser("keys", help="make a CURVE keypair: DIR/NAME.key (public), DIR/NAME.key_secret (0600)")
     keys.add_argument("--dir", type=Path, required=True, help="where to write the two files")
@@ -607,6 +650,8 @@ def parser() -> argparse.ArgumentParser:
     console.add_argument("--port", type=int, default=8780)
     console.add_argument("--token", default=os.environ.get("SANDBOXD_CONSOLE_TOKEN"),
                          help="login token (default: $SANDBOXD_CONSOLE_TOKEN, else random, printed at start)")
+    console.add_argument("--operator-key", type=Path, action="append", default=[], metavar="FILE",
+                         help="an operator's public key file (NAME.key): its secret key logs in too (repeatable)")
     console.add_argument("--state-dir", help="start a daemon on this state directory for the console's lifetime")
     console.add_argument("--config", type=Path, help="with --state-dir: the daemon's configuration file")
     console.set_defaults(func=cmd_console, client=False)

@@ -176,6 +176,11 @@ class Client:
                                    idle_timeout_s=idle_timeout_s, ttl_s=ttl_s)
         return self.request(req, p.OpenSessionResponse).session
 
+    def adopt_session(self, session_id: str) -> p.AdoptSessionResponse:
+        """Operator: re-create a lost node's session (a fleet's front door picks the node; see `sandboxd.fleet`)."""
+        return self.request(p.AdoptSessionRequest(request_id=self._rid(), session_id=session_id),
+                            p.AdoptSessionResponse)
+
     def close_session(self, session_id: str) -> None:
         self.request(p.CloseSessionRequest(request_id=self._rid(), session_id=session_id), p.CloseSessionResponse)
 

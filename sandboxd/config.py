@@ -7,6 +7,7 @@ environment variables.
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -106,6 +107,15 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Everything `sandboxd serve` needs; the defaults are a working set-up."""
 
     state_dir: Annotated[str, msgspec.Meta(description="SQLite state, snapshot layers, sockets.")] = ""
+    state: Annotated[
+        str, msgspec.Meta(description="Where the state database lives: empty (default) for the SQLite file in "
+                                       "state_dir, or postgresql://USER@HOST/DB for a PostgreSQL server that "
+                                       "several daemons (nodes) may share.")
+    ] = ""
+    node_id: Annotated[
+        str, msgspec.Meta(description="This daemon's name on a shared state database (its sessions carry it); "
+                                       "default: HOST:STATE_DIR, the same across restarts.")
+    ] = ""
     endpoint: Annotated[
         str, msgspec.Meta(description="ZeroMQ endpoint: ipc://PATH (default) or tcp://HOST:PORT, which needs "
                                        "[auth] CURVE keys; a tcp daemon also serves the ipc socket of its "
@@ -150,7 +160,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         list[str],
         msgspec.Meta(description="Fault injection for crash tests: the daemon kills itself (SIGKILL) when a branch "
                                  "operation reaches one of these points: begun, committing, or committed:NAME "
-                                 "(after participant NAME committed). Never set in production."),
+                                 "(after participant NAME committed); or a fork reaches fork:opening (files "
+                                 "and sandbox made) or fork:open (recorded). Never set in production."),
     ] = []
 
     @property
@@ -185,6 +196,10 @@ def load_config(path: Path | None = None, runtime: str | None = None, **override
     if not config.state_dir:
         config.state_dir = str(default_state_dir())
     config.state_dir = str(Path(config.state_dir).resolve())
+    if config.state and not config.state.startswith(("postgresql://", "postgres://")):
+        raise ValueError(f"state {config.state!r} must be empty (SQLite in state_dir) or a postgresql:// URL")
+    if not config.node_id:
+        config.node_id = f"{socket.gethostname()}:{config.state_dir}"
     if not config.endpoint:
         config.endpoint = default_endpoint(config.state_path)
     _check_endpoint(config)

@@ -53,7 +53,7 @@ def build(config: DaemonConfig) -> tuple[Service, Server]:
     config.state_path.chmod(0o700)
     # Loaded once, first: a bad key file is named before any state is opened or container touched.
     keys = ServerKeys.load(config.auth) if config.endpoint.startswith("tcp://") else None
-    db = Database(config.state_path / "state.db")
+    db = Database(config.state or config.state_path / "state.db", node=config.node_id)
     store = open_store(config.snapshot_backend, config.state_path / "snapshots", config.max_layers,
                        config.sandbox.disk_mb)
     containers = ContainerManager(config)

@@ -10,6 +10,10 @@ be physical (see `purge`).
 Every table is created and changed by the numbered migrations of `sandboxd.migrations`, applied at
 start-up in order; `PRAGMA user_version` records the last one applied. Rows come back as the msgspec
 struct a caller names (`rows(sql, params, SessionRow)`), so no module passes `dict[str, Any]` around.
+
+The state may instead live on a PostgreSQL server (`Database("postgresql://...")`, the `state` setting):
+the same class, the same SQL, over a connection of `sandboxd.pg` that translates SQLite's dialect; one
+writer at a time across every daemon on that database, as one SQLite file allows one.
 """
 
 from __future__ import annotations
@@ -28,8 +32,14 @@ from sandboxd.migrations import MIGRATIONS, Migration
 T = TypeVar("T")
 
 
-def connect(path: Path | str) -> sqlite3.Connection:
-    """A connection with the pragmas every sandboxd database uses."""
+def connect(path: Path | str, node: str | None = None) -> Any:
+    """A connection with the pragmas every sandboxd database uses (a server's for a postgresql:// URL)."""
+    if pg_url(path):
+        from sandboxd import pg
+
+        conn_pg = pg.Connection(str(path), node=node)
+        conn_pg.bootstrap()
+        return conn_pg
     conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
@@ -42,12 +52,17 @@ def connect(path: Path | str) -> sqlite3.Connection:
 class Database:
     """The state database: `transaction()` for writes, `rows()` / `row()` for typed reads."""
 
-    def __init__(self, path: Path | str, migrations: Sequence[Migration] = MIGRATIONS) -> None:
+    def __init__(self, path: Path | str, migrations: Sequence[Migration] = MIGRATIONS, *,
+                 node: str | None = None) -> None:
+        self.url = str(path) if pg_url(path) else None
         self.path = Path(path)
-        self.conn = connect(path)
+        #: the daemon this connection serves, on a shared server (sessions carry it; recovery is its own)
+        self.node = node if self.url else None
+        self.conn = connect(path, node=self.node)
         self.lock = threading.RLock()
         self._local = threading.local()
-        self._readers: list[sqlite3.Connection] = []
+        self._readers: list[Any] = []
+        self._closing: list[Any] = []
         self.migrate(migrations)
 
     @contextmanager
@@ -67,12 +82,36 @@ class Database:
             return
         reader = getattr(self._local, "reader", None)
         if reader is None:
-            reader = self._local.reader = sqlite3.connect(str(self.path), check_same_thread=False,
-                                                          isolation_level=None, timeout=30)
-            reader.execute("PRAGMA query_only=ON")
+            reader = self._local.reader = self._reader()
             with self.lock:
                 self._readers.append(reader)
         yield reader
+
+    def _reader(self) -> Any:
+        if self.url is not None:
+            from sandboxd import pg
+
+            return pg.Connection(self.url, read_only=True)
+        reader = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        reader.execute("PRAGMA query_only=ON")
+        return reader
+
+    def in_flight(self) -> Any:
+        """The set of calls being fired: this process's own (SQLite), every live daemon's (PostgreSQL)."""
+        if self.url is None:
+            return set()
+        from sandboxd import pg
+
+        in_flight = pg.InFlight(self.url)
+        self._closing.append(in_flight)
+        return in_flight
+
+    def mine(self, column: str = "session_id") -> tuple[str, list[Any]]:
+        """A condition (` AND ...`) keeping the rows of this daemon's sessions: nothing on an embedded
+        database, which one daemon owns; on a shared server, what recovery may touch."""
+        if self.node is None:
+            return "", []
+        return f" AND {column} IN (SELECT session_id FROM sessions WHERE node = ?)", [self.node]
 
     # Transactions ------------------------------------------------------------------------------
 
@@ -155,6 +194,10 @@ class Database:
             if migration.version <= current:
                 continue
             with self.transaction():
+                # Read again under the writer lock: another daemon on a shared server may have applied it.
+                current = int(self.value("PRAGMA user_version") or 0)
+                if migration.version <= current:
+                    continue
                 migration.apply(self.conn)
                 self.conn.execute(f"PRAGMA user_version = {int(migration.version)}")
             current = migration.version
@@ -169,6 +212,9 @@ class Database:
         many sessions share it) for nothing secure_delete has not already done.
         """
         with self._writing() as conn:
+            if self.url is not None:
+                self.conn.purge()  # no secure_delete there: see `sandboxd.pg`
+                return
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def vacuum(self) -> None:
@@ -179,7 +225,12 @@ class Database:
 
     def close(self) -> None:
         with self.lock:
-            for reader in self._readers:
+            for reader in [*self._readers, *self._closing]:
                 reader.close()
             self._readers.clear()
             self.conn.close()
+
+
+def pg_url(state: object) -> bool:
+    """Whether a state setting names a PostgreSQL server (postgresql://...) rather than a SQLite file."""
+    return isinstance(state, str) and state.startswith(("postgresql://", "postgres://"))

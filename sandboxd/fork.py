@@ -17,6 +17,7 @@ tears down (marked failed) with nothing of it recorded; after it, the fork is wh
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from sandboxd import protocol as p
 from sandboxd.db import Database
@@ -32,8 +33,10 @@ class Forks:
     """The `Fork` request."""
 
     def __init__(self, db: Database, sessions: Sessions, provenance: ProvenanceStore, firewall: Firewall,
-                 has_world: bool) -> None:
+                 has_world: bool, reached: Callable[[str], None] = lambda _point: None) -> None:
         self.db = db
+        self.reached = reached
+        """Told each point a fork passes (fork:opening, fork:open): crash tests stop there."""
         self.sessions = sessions
         self.provenance = provenance
         self.firewall = firewall
@@ -60,6 +63,7 @@ class Forks:
             wanted = sorted({c.snapshot_id for c in live if c.snapshot_id in present and c.created_at <= at.created_at}
                             | {at.snapshot_id})
             child, renamed = self.sessions.open_fork(parent, wanted, at.snapshot_id, hold_effects=not req.live_effects)
+            self.reached("fork:opening")
             with self.db.transaction():
                 artifacts, checkpoints = self.provenance.copy_to(sid, child.session_id, at, renamed)
                 self.db.execute(
@@ -69,6 +73,7 @@ class Forks:
                     "created_at <= ?", [child.session_id, sid, at.created_at])
                 inherited = self.firewall.fork_ledger(sid, child.session_id, at.created_at)
                 self.db.update("sessions", {"session_id": child.session_id}, state="open")
+            self.reached("fork:open")
         log.info("session %s forked from %s at %s", child.session_id, sid, at.checkpoint_id,
                  extra={"session_id": child.session_id})
         report = p.ForkReport(session_id=child.session_id, parent=sid,

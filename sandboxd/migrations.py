@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,9 +20,10 @@ class Migration:
     version: int
     description: str
     statements: tuple[str, ...] = ()
-    function: Callable[[sqlite3.Connection], None] | None = None
+    function: Callable[[Any], None] | None = None
 
-    def apply(self, conn: sqlite3.Connection) -> None:
+    def apply(self, conn: Any) -> None:
+        # `conn`: a sqlite3 connection, or `sandboxd.pg.Connection` (the same calls, SQLite's SQL)
         for statement in self.statements:
             conn.execute(statement)
         if self.function is not None:
@@ -114,6 +116,16 @@ _V3 = (
 )
 
 
+def _v7(conn: Any) -> None:
+    if getattr(conn, "dialect", "sqlite") == "postgresql":
+        # Shared by several daemons: a session belongs to the one that opened it (each connection of a
+        # daemon sets `sandboxd.node`), and recovery touches only its own. An embedded file has one daemon.
+        conn.execute("ALTER TABLE sessions ADD COLUMN node TEXT DEFAULT current_setting('sandboxd.node', true)")
+    else:
+        conn.execute("ALTER TABLE sessions ADD COLUMN node TEXT")
+    conn.execute("CREATE INDEX IF NOT EXISTS idx_sessions_node_state ON sessions (node, state)")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "the tables of sandboxd 0.1", _V1),
     Migration(2, "revocations of split targets and their errors; the simulated answers of staged effects",
@@ -132,4 +144,5 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE sessions ADD COLUMN hold_effects INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE branches ADD COLUMN report TEXT",
     )),
+    Migration(7, "the node (daemon) a session lives on, when several share one PostgreSQL database", function=_v7),
 )

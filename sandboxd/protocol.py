@@ -77,8 +77,11 @@ class SessionInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     last_used_at: float | None = None
     """When a request last named it (since this daemon run started; its opening before that)."""
     closed_at: float | None = None
+    owner: str | None = None
+    """Who opened it: a CURVE public key (z85), or `local` for the owner of the daemon's ipc socket."""
     usage: dict[str, Any] = {}
-    """What its sandbox uses now: memory_bytes, cpu_s, pids (where the engine tells)."""
+    """What its sandbox uses now: memory_bytes, cpu_s, pids (where the engine tells), and disk_bytes (its
+    workspace and snapshots on the host's disk)."""
 
 
 class SnapshotInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -582,6 +585,13 @@ class RollbackRequest(_Request):
     """Pass over calls after the point whose outcome is unknown (they are listed as unresolved)."""
 
 
+class AdoptSessionRequest(_Request):
+    """Operator (a fleet's front door): serve a session whose node was lost, on this daemon, from the
+    workspace of its last exported snapshot, already imported into this daemon's snapshot store."""
+
+    session_id: str
+
+
 class ForkRequest(_Request):
     """Operator: a new session from a checkpoint of this one; the parent is left as it is."""
 
@@ -665,6 +675,12 @@ class DeleteSnapshotResponse(_Response):
 
 class RollbackResponse(_Response):
     report: RollbackReport
+
+
+class AdoptSessionResponse(_Response):
+    session: SessionInfo
+    snapshot_id: str
+    """The snapshot the workspace was re-created from."""
 
 
 class ForkResponse(_Response):
@@ -861,6 +877,7 @@ Request = (
     | CallOutputRequest
     | RollbackRequest
     | ForkRequest
+    | AdoptSessionRequest
     | CompensateRequest
     | ListRevocationsRequest
     | CancelRevocationRequest
@@ -900,6 +917,7 @@ Response = (
     | CallOutputResponse
     | RollbackResponse
     | ForkResponse
+    | AdoptSessionResponse
     | CompensateResponse
     | ListRevocationsResponse
     | CancelRevocationResponse

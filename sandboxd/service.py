@@ -71,7 +71,8 @@ class Service:
     #: requests on the firewall's shared outbox: releasing a 'manual' hold is the operator's decision
     #: and the outside world is not the agent's to reset or to read around its tools
     OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest, p.WorldResetRequest,
-                     p.WorldStateRequest, p.RollbackRequest, p.ForkRequest, p.CompensateRequest)
+                     p.WorldStateRequest, p.RollbackRequest, p.ForkRequest, p.CompensateRequest,
+                     p.AdoptSessionRequest)
 
     def __init__(self, config: DaemonConfig, db: Database, sandbox: Sandbox, store: SnapshotStore) -> None:
         self.config = config
@@ -109,10 +110,11 @@ class Service:
             served_in_daemon=self.effects.serves, fired_twice=self.firewall.ledger.fired_twice,
             outside_world=self.world.suite_name if self.world else None,
             committed=lambda by: self.metrics.revocation("committed", by), log_path=config.state_path / "sandboxd.log")
-        self.copying = Copying(self.sessions)
+        self.copying = Copying(self.sessions, self.calls)
         self.rollbacks = Rollbacks(db, self.sessions, self.provenance, self.calls, self.branches, self.firewall,
                                    self.revocations, lambda sid, op: self.events.publish(sid, "rollback", op))
-        self.forks = Forks(db, self.sessions, self.provenance, self.firewall, has_world=self.world is not None)
+        self.forks = Forks(db, self.sessions, self.provenance, self.firewall, has_world=self.world is not None,
+                           reached=self._reached)
         world = self.world
         self.provenance_handlers = ProvenanceHandlers(
             self.provenance, self.sessions, self.revocations.on_observation,
@@ -135,6 +137,7 @@ class Service:
             p.CallOutputRequest: self.calls.output,
             p.RollbackRequest: self.rollbacks.rollback,
             p.ForkRequest: self.forks.fork,
+            p.AdoptSessionRequest: self.adopt_session,
         }
         #: requests whose answer depends on who asks: the owner of a new session, whose sessions to list
         self.peer_handlers: dict[type[Any], Callable[[Any, Peer], p.Response]] = {
@@ -214,6 +217,15 @@ class Service:
     def no_events(self, request: p.WaitEventsRequest) -> p.WaitEventsResponse:
         return p.WaitEventsResponse(request_id=request.request_id, epoch=self.events.epoch, events=[])
 
+    def adopt_session(self, req: p.AdoptSessionRequest) -> p.AdoptSessionResponse:
+        """A lost node's session, served here from the snapshot its workspace was imported from (`sandboxd.fleet`);
+        its ledger, provenance and calls were never the lost node's: they are in the shared state."""
+        with self.sessions.lock(req.session_id):
+            row, snapshot_id = self.sessions.adopt(req.session_id)
+        log.warning("adopted session %s from snapshot %s", req.session_id, snapshot_id,
+                    extra={"session_id": req.session_id})
+        return p.AdoptSessionResponse(request_id=req.request_id, session=row.info(), snapshot_id=snapshot_id)
+
     def _raised(self, session_id: str, revocation_id: str, raised_by: str) -> None:
         self.metrics.revocation("raised", raised_by)
         self.events.publish(session_id, "revocation", revocation_id)
@@ -285,6 +297,7 @@ class Service:
             if row.state == "open":
                 info.last_used_at = self.sessions.last_used(row)
                 info.usage = container_usage(row.container_id)
+                info.usage["disk_bytes"] = self.sessions.store.disk_bytes(row.session_id)
             infos.append(info)
         return p.ListSessionsResponse(request_id=req.request_id, sessions=infos)
 

@@ -25,6 +25,7 @@ from sandboxd.branch import Branch
 from sandboxd.db import Database
 from sandboxd.errors import (
     NotFound,
+    OperationRefused,
     SandboxUnavailable,
     SessionClosed,
     SnapshotFailed,
@@ -69,7 +70,7 @@ class SessionRow(msgspec.Struct, kw_only=True):
         return p.SessionInfo(session_id=self.session_id, image=self.image,
                              state="open" if self.state == "open" else "closed", created_at=self.created_at,
                              container=self.container_id, idle_timeout_s=self.idle_timeout_s, ttl_s=self.ttl_s,
-                             closed_at=self.closed_at)
+                             closed_at=self.closed_at, owner=self.owner)
 
 
 class SnapshotRow(msgspec.Struct, kw_only=True):
@@ -127,8 +128,11 @@ class Sessions:
         return row
 
     def in_states(self, states: tuple[str, ...] = ("open",), owner: str | None = None) -> list[SessionRow]:
-        """Sessions in these states, oldest first; only `owner`'s when one is given."""
+        """Sessions in these states, oldest first; only `owner`'s when one is given; on a state database
+        several daemons share, only this daemon's (the ones it serves, expires and recovers)."""
         where, params = f"state IN ({','.join('?' for _ in states)})", list(states)
+        mine, node = self.db.mine()
+        where, params = where + mine, [*params, *node]
         if owner is not None:
             where, params = where + " AND owner = ?", [*params, owner]
         return self.db.structs(f"SELECT * FROM sessions WHERE {where} ORDER BY created_at", params, SessionRow)
@@ -196,6 +200,7 @@ class Sessions:
                 self.update(session_id, state="failed", closed_at=time.time())
                 raise
             self.update(session_id, state="open", container_id=container_id)
+        self.touch(session_id)  # idle from now: a slow start must not eat an idle timeout before the opener has it
         return self.known(session_id)
 
     def open_fork(self, parent: SessionRow, snapshots: list[str], at: str, hold_effects: bool) -> tuple[
@@ -404,6 +409,24 @@ class Sessions:
             self.store.destroy(workspace)
         self.store.sweep(live)
         return live
+
+    def adopt(self, session_id: str) -> tuple[SessionRow, str]:
+        """Take over a `lost` session (its node gone) whose workspace was imported into this daemon's store:
+        it becomes this daemon's, open again on its imported stack; returns it and that stack's snapshot."""
+        row = self.known(session_id)
+        if row.state != "lost" or self.db.node is None:
+            raise OperationRefused(f"session {session_id} is {row.state}: only a lost session of a shared state "
+                                   "database is adopted", session_id=session_id, state=row.state)
+        if session_id not in self.store.workspaces():
+            raise OperationRefused(f"the workspace of {session_id} was not imported on this node",
+                                   session_id=session_id, state=row.state)
+        with self.db.transaction():
+            self.db.execute("UPDATE sessions SET state = 'open', node = ?, container_id = NULL "
+                            "WHERE session_id = ? AND state = 'lost'", [self.db.node, session_id])
+        adopted = self.known(session_id)
+        self._recover(adopted)
+        kept = self.store.list(session_id)
+        return self.known(session_id), kept[-1].snapshot_id if kept else ""
 
     def _recover(self, row: SessionRow) -> None:
         session_id = row.session_id

@@ -13,6 +13,7 @@ import builtins
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -125,6 +126,29 @@ class SnapshotStore(abc.ABC):
     @abc.abstractmethod
     def paths(self, workspace: str) -> builtins.list[Path]:
         """Every host path holding this workspace's bytes (for a leak scan)."""
+
+    def disk_bytes(self, workspace: str) -> int:
+        """Bytes the workspace and its snapshots take on the host's disk: the blocks allocated to the files
+        under `paths` (each inode once; the mount root is a view of the same bytes, so it is not walked)."""
+        seen: set[tuple[int, int]] = set()
+        total = 0
+        pending = [path for path in self.paths(workspace) if path != self.mount_root(workspace)]
+        while pending:
+            path = pending.pop()
+            try:
+                info = path.lstat()
+            except OSError:  # gone meanwhile, or never there
+                continue
+            if (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            total += info.st_blocks * 512
+            if stat.S_ISDIR(info.st_mode):
+                try:
+                    pending.extend(path.iterdir())
+                except OSError:
+                    continue
+        return total
 
     def trim(self, workspace: str) -> None:  # noqa: B027 - optional hook
         """Make freed space physically empty, where the backend keeps a block image; a no-op by default."""

@@ -297,6 +297,14 @@ class OverlaySnapshotStore(SnapshotStore):
     def paths(self, workspace: str) -> builtins.list[Path]:
         return [self.mount_root(workspace), self._dir(workspace), self._image(workspace)]
 
+    def disk_bytes(self, workspace: str) -> int:
+        """The blocks of the session's image, which holds its upper directory and every layer (one stat, however
+        many files); without an image, what the layers directory holds."""
+        try:
+            return self._image(workspace).stat().st_blocks * 512
+        except FileNotFoundError:
+            return super().disk_bytes(workspace)
+
     def trim(self, workspace: str) -> None:
         """Punch every free block out of the session's image (after deletes that must be physical)."""
         if str(self._dir(workspace)) in _mountpoints():

@@ -412,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write the results here; pairs are journaled beside it "
                                                    "(NAME.journal.jsonl), so a rerun resumes")
     parser.add_argument("--plots", type=Path, help="write PNG plots here (default: beside --json)")
+    parser.add_argument("--ray", metavar="ADDRESS", help="fan the pairs out over this Ray cluster ('local': start one "
+                                                         "here); each task runs its pairs on worlds of its own node")
     args = parser.parse_args(argv)
     # A TERM (a killed job, a CI timeout) unwinds like ^C: the daemons and sandboxes are shut down and
     # the journal keeps the finished pairs.
@@ -428,9 +430,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         only = [name for name in args.pair if name.startswith(suite + "/")]
         if args.pair and not only:
             continue
-        results = evaluate(suite, names, args.release_policy, args.limit,
-                           lambda s: print(s, file=sys.stderr, flush=True), journal=journal, only=only,
-                           model=args.agent == "model")
+        if args.ray:
+            from agent.eval.fleet import evaluate_on_ray
+
+            results = evaluate_on_ray(args.ray, suite, names, args.release_policy, args.limit, only=only,
+                                      model=args.agent == "model",
+                                      progress=lambda s: print(s, file=sys.stderr, flush=True))
+        else:
+            results = evaluate(suite, names, args.release_policy, args.limit,
+                               lambda s: print(s, file=sys.stderr, flush=True), journal=journal, only=only,
+                               model=args.agent == "model")
         report.setdefault(suite, {})[args.release_policy] = results
         print(f"\n## {suite} ({args.release_policy})\n\n{markdown(results)}\n", flush=True)
     if args.json:

@@ -1,8 +1,10 @@
 """The console's web application: Starlette routes over `sandboxd.client`, no other path into the state.
 
-Every page is behind a login with a random token printed at start (as Jupyter does); the token sets a
-session cookie. Every POST carries a CSRF token derived from the login token, checked before anything
-is done. The client is not thread-safe, so each worker thread keeps its own (`_client`).
+Every page is behind a login with a random token printed at start (as Jupyter does), or with the secret
+of an operator's CURVE key (`operator_keys`: the public keys it may be the secret of; the console checks
+the pair and keeps no secret); either sets a session cookie. Every POST carries a CSRF token derived
+from the login token, checked before anything is done. The client is not thread-safe, so each worker
+thread keeps its own (`_client`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import hmac
 import inspect
 import json
+import re
 import secrets
 import threading
 import time
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import zmq
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -39,9 +43,12 @@ TEMPLATES = Path(__file__).with_name("templates")
 class Console:
     """The console's state: how to reach the daemon and the login token; nothing of the daemon's."""
 
-    def __init__(self, make_client: Callable[[], Client], token: str | None = None) -> None:
+    def __init__(self, make_client: Callable[[], Client], token: str | None = None,
+                 operator_keys: frozenset[str] = frozenset()) -> None:
         self.make_client = make_client
         self.token = token or secrets.token_urlsafe(24)
+        self.operator_keys = operator_keys
+        """z85 public keys whose secret logs in, as the token does."""
         self.csrf = hmac.new(self.token.encode(), b"csrf", hashlib.sha256).hexdigest()
         self._local = threading.local()
         self.env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html"]))
@@ -53,6 +60,21 @@ class Console:
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await run_in_threadpool(fn, *args, **kwargs)
+
+    def admits(self, given: str) -> bool:
+        """The token, or the secret key of an operator (z85, or the whole `NAME.key_secret` file pasted)."""
+        if hmac.compare_digest(given.encode(), self.token.encode()):
+            return True
+        if not self.operator_keys:
+            return False
+        secret = operator_secret(given)
+        if secret is None:
+            return False
+        try:
+            public = zmq.curve_public(secret.encode()).decode()
+        except zmq.ZMQError:  # 40 characters of the alphabet that still decode to no key
+            return False
+        return any(hmac.compare_digest(public, key) for key in self.operator_keys)
 
     def logged_in(self, request: Request) -> bool:
         return hmac.compare_digest(request.cookies.get(COOKIE, ""), self.token)
@@ -83,8 +105,9 @@ def build_app(console: Console) -> Starlette:
         if request.method == "POST":
             form = await request.form()
             given = str(form.get("token", ""))
-            if not hmac.compare_digest(given, console.token):
-                return console.page("login.html", error="wrong token")
+            if not console.admits(given):
+                keys = bool(console.operator_keys)
+                return console.page("login.html", error="wrong token or key" if keys else "wrong token", keys=keys)
             target = str(form.get("next") or "/")
             response = RedirectResponse(target if target.startswith("/") else "/", status_code=303)
             response.set_cookie(COOKIE, console.token, httponly=True, samesite="strict")
@@ -94,7 +117,8 @@ def build_app(console: Console) -> Starlette:
             response = RedirectResponse("/", status_code=303)
             response.set_cookie(COOKIE, console.token, httponly=True, samesite="strict")
             return response
-        return console.page("login.html", error=None, next=request.query_params.get("next", "/"))
+        return console.page("login.html", error=None, next=request.query_params.get("next", "/"),
+                            keys=bool(console.operator_keys))
 
     async def index(request: Request) -> Response:
         c = console.client()
@@ -222,6 +246,17 @@ def build_app(console: Console) -> Starlette:
         Route("/api/sessions", guarded(api_sessions)),
     ]
     return Starlette(routes=routes)
+
+
+_SECRET_LINE = re.compile(r'secret-key\s*=\s*"([^"]{40})"')
+_Z85 = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")
+
+
+def operator_secret(given: str) -> str | None:
+    """The z85 secret key in what was pasted: the key alone or a `NAME.key_secret` file; None if neither."""
+    found = _SECRET_LINE.search(given)
+    secret = found.group(1) if found else given.strip()
+    return secret if _Z85.fullmatch(secret) else None
 
 
 def serve(console: Console, host: str, port: int) -> None:

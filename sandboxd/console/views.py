@@ -18,6 +18,12 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def _usage(key: str, value: Any) -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        return f"{key.removesuffix('_bytes')} {value / (1 << 20):.1f} MiB"
+    return f"{key} {value}"
+
+
 def session_rows(client: Client, sessions: list[p.SessionInfo], now: float) -> list[dict[str, Any]]:
     """One row per session: owner, age, idle time, resource use, state."""
     rows = []
@@ -29,7 +35,7 @@ def session_rows(client: Client, sessions: list[p.SessionInfo], now: float) -> l
         usage.setdefault("calls", len(calls))
         rows.append({"id": s.session_id, "owner": getattr(s, "owner", "") or "", "image": s.image, "state": s.state,
                      "age": _ago(now - s.created_at), "idle": _ago(max(0.0, now - last)),
-                     "usage": ", ".join(f"{k} {v}" for k, v in sorted(usage.items()))})
+                     "usage": ", ".join(_usage(k, v) for k, v in sorted(usage.items()))})
     return rows
 
 

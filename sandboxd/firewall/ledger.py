@@ -253,11 +253,12 @@ class Ledger:
     def fired_twice(self, session_id: str) -> int:
         """Calls of a session that fired more than once without a certain failure in between (must be 0)."""
         rows = self._rows(
-            """SELECT e.call_id,
-                      SUM(e.to_state = 'fired') - SUM(e.from_state = 'fired' AND e.to_state = 'failed')
-                      - SUM(e.note = 'reached again after its compensation') AS live
-               FROM ledger_events e JOIN ledger_calls c ON c.call_id = e.call_id
-               WHERE c.session_id = ? GROUP BY e.call_id HAVING live > 1""",
+            # Portable SQL (CASE, not a summed comparison; HAVING repeats the sum): PostgreSQL runs it too.
+            """SELECT e.call_id FROM ledger_events e JOIN ledger_calls c ON c.call_id = e.call_id
+               WHERE c.session_id = ? GROUP BY e.call_id
+               HAVING SUM(CASE WHEN e.to_state = 'fired' THEN 1 ELSE 0 END)
+                      - SUM(CASE WHEN e.from_state = 'fired' AND e.to_state = 'failed' THEN 1 ELSE 0 END)
+                      - SUM(CASE WHEN e.note = 'reached again after its compensation' THEN 1 ELSE 0 END) > 1""",
             [session_id],
         )
         return len(rows)

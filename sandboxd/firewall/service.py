@@ -178,7 +178,9 @@ class Firewall:
         }
         self._lock = db.lock
         self._ledger = Ledger(db, clock)
-        self._in_flight: set[str] = set()  # ids this process is firing right now; guarded by `lock`
+        # ids being fired right now, guarded by `lock`: this process's (and, on a shared PostgreSQL
+        # database, every live daemon's: a call another daemon fires is not "in flight with no owner")
+        self._in_flight: set[str] = db.in_flight()
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self.compensator = Compensator(self._ledger, self._adapter, db.lock)

@@ -26,6 +26,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -210,6 +211,24 @@ def virtual_clock(clock: float) -> dict[str, str]:
     return env
 
 
+def _script_fd(script: str | None) -> int | None:
+    """A file holding `script`, open for reading and unlinked (nothing is left behind): a command too long to
+    be one argument of exec (Linux caps one at 128 KiB) reaches the shell this way."""
+    if script is None:
+        return None
+    try:
+        fd = os.memfd_create("sandboxd-script")
+    except (AttributeError, OSError):  # no memfd in this kernel: an unlinked file in the scratch space
+        fd, path = tempfile.mkstemp(prefix="sandboxd-script-")
+        os.unlink(path)
+    data = script.encode()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def run_process(req: dict[str, Any]) -> dict[str, Any]:
     """Run argv in the workspace with stdin, a timeout and capped output."""
     timeout = float(req["timeout"])
@@ -220,17 +239,25 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
         env.update(virtual_clock(float(req["clock"])))
     cwd = confine(req.get("cwd") or ".")
     stdin = (req.get("stdin") or "").encode()
+    argv, script = req["argv"], _script_fd(req.get("script"))
+    if script is not None:  # argv names the script as {script}: a path the child opens through its own fd
+        argv = [arg.replace("{script}", f"/proc/self/fd/{script}") for arg in argv]
     oom_before = oom_kills()
     started = time.monotonic()
-    proc = subprocess.Popen(
-        req["argv"],
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=() if script is None else (script,),
+        )
+    finally:
+        if script is not None:
+            os.close(script)
     _expose_to_oom_killer(proc.pid)
     assert proc.stdin is not None
     try:

@@ -50,6 +50,9 @@ BUILTIN_TOOLS: tuple[ToolManifest, ...] = (
     ),
 )
 
+#: the longest shell command passed as an argument of `sh -c`; a longer one goes as a script file
+INLINE_COMMAND_BYTES = 64 * 1024
+
 #: argument names that hold workspace paths, per tool
 PATH_ARGUMENTS: dict[str, tuple[str, ...]] = {"read_file": ("path",), "write_file": ("path",), "list_dir": ("path",)}
 
@@ -57,7 +60,13 @@ PATH_ARGUMENTS: dict[str, tuple[str, ...]] = {"read_file": ("path",), "write_fil
 def executor_request(tool: str, args: dict[str, Any]) -> dict[str, Any]:
     """The executor request that carries out a validated built-in call (limits added by the caller)."""
     if tool == "shell":
-        return {"op": "run", "argv": ["/bin/sh", "-c", args["command"]], "stdin": args.get("stdin", "")}
+        command = args["command"]
+        if len(command.encode()) <= INLINE_COMMAND_BYTES:
+            return {"op": "run", "argv": ["/bin/sh", "-c", command], "stdin": args.get("stdin", "")}
+        # Linux caps one argument at 128 KiB (MAX_ARG_STRLEN): a longer command travels as a script the
+        # executor hands the shell as a file, which `.` reads in the same shell ($0 stays /bin/sh).
+        return {"op": "run", "argv": ["/bin/sh", "-c", ". {script}"], "script": command,
+                "stdin": args.get("stdin", "")}
     if tool == "python":
         return {"op": "run", "argv": ["python3", "-I", "-"], "stdin": args["code"]}
     if tool == "read_file":

@@ -230,7 +230,7 @@ SAMPLE_FIELDS: dict[str, dict[str, Any]] = {
     "CopyInRequest": {"path": "owned", "data": b"x"}, "CopyOutRequest": {"path": "owned"},
     "CallOutputRequest": {"call_id": "c-1", "timeout_s": 0},
     "RollbackRequest": {"turn": 0}, "ForkRequest": {"checkpoint": "cp-x"}, "ListRevocationsRequest": {},
-    "CancelRevocationRequest": {"reason": "not mine"},
+    "CancelRevocationRequest": {"reason": "not mine"}, "AdoptSessionRequest": {},
 }
 
 

@@ -12,23 +12,27 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiosmtpd.controller import Controller
 
 from sandboxd import protocol as p
+from sandboxd.auth import generate_keys, read_public_key, read_secret_key
 from sandboxd.client import Client
 from sandboxd.console.app import Console
 from sandboxd.launcher import DaemonProcess
 from tests.browser import big_graph, chrome, serve_console
+from tests.integration.operator_world import Sinks, drive, notes, operated, sinks
 from tests.sinks import SmtpSink
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+__all__ = ["operated", "sinks"]
 pytestmark = [pytest.mark.docker,
               pytest.mark.skipif(not shutil.which("chromedriver"), reason="needs Debian's chromium-driver")]
 
@@ -127,9 +131,9 @@ def test_approve_sends_once_and_drop_never(console: tuple[str, Console], browser
     assert states[kept.call_id] in ("done", "released") and states[gone.call_id] == "dropped"
     # Who decided and why is in each call's ledger history (read here from the daemon's database).
     with sqlite3.connect(firewalled.state_dir / "state.db") as db:
-        notes = dict(db.execute("SELECT call_id, note FROM ledger_events WHERE to_state IN ('released', 'dropped')"))
-    assert notes == {kept.call_id: "released by local: expected invoice",
-                     gone.call_id: "dropped by local: the agent was hijacked"}
+        decided = {row[0]: row[1:] for row in db.execute(
+            "SELECT call_id, actor, reason FROM ledger_events WHERE to_state IN ('released', 'dropped')")}
+    assert decided == {kept.call_id: ("local", "expected invoice"), gone.call_id: ("local", "the agent was hijacked")}
 
 
 def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
@@ -188,6 +192,11 @@ def test_graph_of_300_nodes_highlights_the_closure_and_revocation_completes(
         assert figures[f"calls.{key}"] == f"{key} {value}"
     assert [li.text for li in driver.find_elements(By.CSS_SELECTOR, "#not-erased li")] == report.not_erased  # type: ignore
     driver.save_screenshot(str(DOCS / "console-revocation.png"))  # type: ignore[attr-defined]
+    # The plots: the revocation is one point of cost against tau.
+    driver.get(f"{base}/plots")  # type: ignore[attr-defined]
+    assert len(driver.find_elements(By.CSS_SELECTOR, ".plot svg")) == 2  # type: ignore[attr-defined]
+    assert driver.execute_script(  # type: ignore[attr-defined]
+        "return document.querySelectorAll('.plot')[1].querySelectorAll('g[id^=PathCollection] use').length") == 1
 
 
 def test_timeline_streams_new_calls(console: tuple[str, Console], browser: object, firewalled: DaemonProcess) -> None:
@@ -200,3 +209,60 @@ def test_timeline_streams_new_calls(console: tuple[str, Console], browser: objec
     client.call(sid, "write_file", {"path": "note.txt", "content": "streamed"})
     WebDriverWait(driver, 20).until(lambda d: "write_file" in d.find_element(By.ID, "timeline").text)
     driver.save_screenshot(str(DOCS / "console-session.png"))  # type: ignore[attr-defined]
+
+
+def test_an_operator_key_logs_in_and_the_session_page_forks_and_rolls_back(
+        operated: DaemonProcess, sinks: Sinks, browser: object, tmp_path: Path) -> None:
+    """Logged in with an operator's CURVE secret (not the token); a fork from the page opens the new
+    session's page; a rollback from the page takes the later checkpoint off the parent's timeline."""
+    ops_public, ops_secret = generate_keys(tmp_path, "ops")
+    _, stranger_secret = generate_keys(tmp_path, "stranger")
+    client = operated.client()
+    sid = client.open_session().session_id
+    points = drive(client, sid)
+    app = Console(lambda: Client(operated.endpoint, timeout_s=60),
+                  operator_keys=frozenset({read_public_key(ops_public)}))
+    driver: Any = browser
+    with serve_console(app) as base:
+        login(driver, base, read_secret_key(stranger_secret)[1])  # a well-formed key that is no operator's
+        assert driver.find_element(By.ID, "login-error").text == "wrong token or key"
+        # The whole NAME.key_secret file pasted: a one-line field drops its line breaks, as a browser's paste does.
+        login(driver, base, ops_secret.read_text().replace("\n", ""))
+        row = driver.find_element(By.XPATH, f'//tr[@class="session"][td/a[text()="{sid}"]]')
+        # Owner (the ipc socket's owner is `local`), state, and what it uses, its disk among it.
+        assert [td.text for td in row.find_elements(By.TAG_NAME, "td")][1:3] == ["local", "open"]
+        assert "disk " in row.text and "MiB" in row.text and "memory " in row.text
+
+        def shown(kind: str) -> dict[str, str]:
+            """The timeline's rows of one kind, id -> text, read at once (the event stream redraws them)."""
+            pairs = driver.execute_script("return [...document.querySelectorAll('tr.item.' + arguments[0])]"
+                                          ".map(r => [r.dataset.id, r.innerText])", kind)
+            return dict(pairs)
+
+        def checkpoints_shown() -> list[str]:
+            return list(shown("checkpoint"))
+
+        driver.get(f"{base}/sessions/{sid}")
+        assert checkpoints_shown() == ["cp-start", "cp-1-turn", "cp-2-turn"]
+        Select(driver.find_element(By.NAME, "checkpoint")).select_by_value(points["A"].checkpoint_id)
+        driver.find_element(By.ID, "fork").click()
+        WebDriverWait(driver, 30).until(lambda d: d.current_url.rstrip("/") != f"{base}/sessions/{sid}")
+        child = driver.current_url.rsplit("/", 1)[1]
+        assert child != sid and child in {s.session_id for s in client.sessions()}
+        assert checkpoints_shown() == ["cp-start", "cp-1-turn"] and notes(client, child) == "v1\n"
+
+        driver.get(f"{base}/sessions/{sid}")
+        Select(driver.find_element(By.NAME, "checkpoint")).select_by_value(points["A"].checkpoint_id)
+        driver.find_element(By.ID, "rollback").click()
+        WebDriverWait(driver, 30, ignored_exceptions=[StaleElementReferenceException]).until(
+            lambda d: checkpoints_shown() == ["cp-start", "cp-1-turn"])
+        assert driver.current_url.rstrip("/") == f"{base}/sessions/{sid}"
+        # The timeline shows what the rollback did to the calls after the point: the held email dropped,
+        # the fired webhook orphaned; the files are back.
+        rows = shown("call")
+        [email] = [c for c in client.calls(sid) if c.tool == "send_email"]
+        assert "send_email · dropped" in rows[email.call_id]
+        assert any("webhook · orphaned" in text for text in rows.values())
+        assert notes(client, sid) == "v1\n" and notes(client, child) == "v1\n"
+        driver.save_screenshot(str(DOCS / "console-rollback.png"))
+    assert sinks.smtp.count == 0 and len(sinks.posts("/hook")) == 2

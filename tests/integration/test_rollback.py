@@ -11,6 +11,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
+import docker
 from agent.context import SeededContext
 from agent.models.local import LocalBackend
 from agent.runtime import AgentSession, Exogenous, exogenous_inputs
@@ -18,8 +19,9 @@ from agent.scenario import Scenario, ScriptedPolicy, Task, ToolStep
 from sandboxd import protocol as p
 from sandboxd.client import Client, RemoteError
 from sandboxd.launcher import DaemonProcess
+from sandboxd.sandbox.containers import LABEL_SESSION
 from tests.integration.operator_world import EMAIL, Sinks, by_tool, drive, notes, operated, sinks
-from tests.integration.test_crash_phases import Wire
+from tests.integration.test_crash_phases import Wire, containers_of
 
 pytestmark = pytest.mark.docker
 __all__ = ["operated", "sinks"]
@@ -136,6 +138,42 @@ def test_kill_9_during_a_rollback_leaves_the_session_before_or_after_it(
         assert notes(client, sid) == "v1\n" and checkpoints[-1] == "cp-1-turn"
         assert webhooks == ["done", "orphaned"] and emails == ["dropped"] and client.outbox(sid) == []
     assert len(sinks.posts("/hook")) == 2 and sinks.smtp.count == 0 and sinks.posts("/undo") == []
+
+
+@pytest.mark.parametrize("phase", ["fork:opening", "fork:open"])
+def test_kill_9_during_a_fork_leaves_no_half_fork(phase: str, sinks: Sinks, engine: docker.DockerClient,
+                                                  daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory(["--config", str(sinks.config([phase]))])
+    client = daemon.client()
+    parent = client.open_session().session_id
+    points = drive(client, parent)
+    before = state_of(client, parent)
+    wire = Wire(daemon)
+    wire.send(p.ForkRequest(request_id="f", session_id=parent, checkpoint=points["A"].checkpoint_id))
+    assert wire.reply() is None  # the daemon died mid-fork
+    wire.close()
+    assert daemon.proc is not None and daemon.proc.wait(timeout=30) == -9
+    daemon.extra_args = ["--config", str(sinks.config())]
+    daemon.start()
+    client = daemon.client()
+
+    assert state_of(client, parent) == before  # the parent is never touched, whenever the fork died
+    [child] = [s for s in client.sessions(include_closed=True) if s.session_id != parent]
+    sandboxes = {c.labels.get(LABEL_SESSION) for c in containers_of(engine, daemon)}
+    if phase == "fork:opening":  # files and sandbox made, nothing recorded: torn down at start-up
+        assert child.state == "closed" and child.session_id not in sandboxes and parent in sandboxes
+        store = daemon.state_dir / "snapshots"
+        assert not any(child.session_id in path.name for top in store.iterdir() if top.is_dir()
+                       for path in (top, *top.iterdir()))
+        assert [c.session_id for c in client.sessions()] == [parent]
+        again = client.fork(parent, points["A"].checkpoint_id)  # and it can be done again
+        child = next(s for s in client.sessions() if s.session_id == again["session_id"])
+    assert child.state == "open"  # the fork is whole: files, provenance, ledger of the point
+    assert notes(client, child.session_id) == "v1\n"
+    assert [c.checkpoint_id for c in client.graph(child.session_id).checkpoints] == ["cp-start", "cp-1-turn"]
+    retried = client.call(child.session_id, "webhook", {"body": {"event": "first"}}, call_id="live/call-1-1", turn=1)
+    assert retried.deduplicated and len(sinks.posts("/hook")) == 2 and sinks.smtp.count == 0
+    assert client.health().open_sessions == 2
 
 
 def test_a_fork_has_the_parents_past_and_effects_of_its_own(operated: DaemonProcess, sinks: Sinks) -> None:

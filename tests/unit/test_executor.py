@@ -176,3 +176,30 @@ def test_run_streams_chunks_and_counts_full_sizes(workspace: Path) -> None:
         executor._emit.reset(token)
     assert reply["stdout_size"] == 3000 and reply["stdout_truncated"] and len(str(reply["stdout"])) == 100
     assert "".join(t for s, t in got if s == "out") == "a" * 3000 and "".join(t for s, t in got if s == "err") == "e\n"
+
+
+@settings(max_examples=12, deadline=None)
+@given(size=st.sampled_from([1, 64 * 1024, 64 * 1024 + 1, 128 * 1024 - 1, 128 * 1024, 128 * 1024 + 1])
+       | st.integers(1, 3 * 1024 * 1024),
+       stdin=st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=50))
+def test_a_shell_command_of_any_size_runs_as_one_command(
+        tmp_path_factory: pytest.TempPathFactory, size: int, stdin: str) -> None:
+    """Linux caps one exec argument at 128 KiB: a longer command goes to the shell as a script file, with the
+    same meaning (the same shell, $0, stdin, exit code) and nothing left behind."""
+    from sandboxd.tools.builtin import executor_request
+
+    ws = tmp_path_factory.mktemp("ws")
+    token = executor._workspace.set(str(ws))
+    try:
+        # A command of `size` bytes: a comment pads it; what it runs reads stdin and names its shell.
+        body = 'printf "%s|%s|" "$0" "$(cat)"; exit 3\n'
+        pad = max(0, size - len(body) - 2)
+        command = "#" + "x" * pad + "\n" + body
+        req = {**executor_request("shell", {"command": command, "stdin": stdin}), "timeout": 20,
+               "output_bytes": 4096}
+        assert ("script" in req) == (len(command.encode()) > 64 * 1024)
+        reply = executor.run_process(req)
+    finally:
+        executor._workspace.reset(token)
+    assert reply["stdout"] == f"/bin/sh|{stdin.rstrip(chr(10))}|" and reply["exit_code"] == 3, reply["stderr"]
+    assert list(ws.iterdir()) == []

@@ -1,0 +1,328 @@
+"""The front door (`sandboxd fleet serve`): one endpoint, the daemon's protocol, sessions on many nodes.
+
+It is a `Handler` for the daemon's own `Server`, so clients, `sandboxd agent run` and the CLI talk to
+it as to one daemon. Each request is forwarded to the node its session lives on:
+
+- OpenSession: Ray's scheduler places the session, a placement group of one bundle holding the
+  sandbox's CPU and memory (`[sandbox]` cpus and memory_mb), kept until the session closes; the
+  session is opened by the daemon of the node Ray chose.
+- A request naming a session goes to the node in the session's row (the `node` column the node's
+  daemon stamped); one naming a call or a revocation goes to its session's node; ListSessions asks
+  every node; the rest (Health, ListTools, operators' ledger views over the shared database) any node.
+- A node that joins the cluster gets its daemon; sessions are placed there once it answers.
+- A node Ray reports dead: its sessions are marked `lost` in the shared database, and every request
+  for them is refused (`sandbox_unavailable`, details `state: lost`). Its calls in flight become
+  `unknown` to whichever daemon next reaches them (their advisory locks died with its connections), so
+  nothing it may have sent is sent again.
+- WaitEvents: asked of the node without waiting; with nothing yet, parked here and asked again every
+  `POLL_S` until it has events or its wait runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import ray
+import zmq
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+
+from sandboxd import protocol as p
+from sandboxd.auth import Peer
+from sandboxd.db import Database
+from sandboxd.errors import SandboxdError, SandboxUnavailable, UnknownSession
+from sandboxd.fleet.nodes import NodeSpec, alive_nodes, start_node
+from sandboxd.metrics import Counter
+
+log = logging.getLogger("sandboxd.fleet")
+
+#: how often the door checks Ray for dead nodes, and re-asks nodes for a parked waiter's events
+POLL_S = 0.25
+#: how long a new session may wait for Ray to find room for its sandbox
+PLACEMENT_TIMEOUT_S = 60.0
+#: the longest a forwarded request may take (a tool call's own timeout is far below it)
+FORWARD_TIMEOUT_S = 900.0
+
+
+class _DoorMetrics:
+    def __init__(self) -> None:
+        self.errors = Counter("sandboxd_fleet_rejected_frames_total", "Frames the door could not decode.", ("code",))
+
+
+class _Parking:
+    """`Server`'s event hook: wakes the parked waiters' sessions every POLL_S, so they are asked again."""
+
+    def __init__(self) -> None:
+        self.sessions: set[str] = set()
+        self.epochs: dict[str, str] = {}
+        self._wakes: list[Callable[[str], None]] = []
+        self.lock = threading.Lock()
+
+    def listen(self, wake: Callable[[str], None]) -> None:
+        self._wakes.append(wake)
+
+    def wake_all(self) -> None:
+        with self.lock:
+            sessions = list(self.sessions)
+        for session_id in sessions:
+            for wake in self._wakes:
+                wake(session_id)
+
+
+class Fleet:
+    """The door's `Handler`: places sessions with Ray, forwards requests, marks lost nodes' sessions."""
+
+    INLINE: tuple[type[Any], ...] = ()  # every request is forwarded, which blocks: all go to the workers
+
+    def __init__(self, spec: NodeSpec, cpus: float = 0.5, memory_mb: int = 512) -> None:
+        self.spec = spec
+        self.bundle = {"CPU": cpus, "memory": memory_mb * 1024 * 1024}
+        self.db = Database(spec.state)
+        self.metrics = _DoorMetrics()
+        self.events = _Parking()
+        self.nodes: dict[str, str] = {}  # node id -> its daemon's endpoint
+        self.actors: dict[str, Any] = {}
+        self.lost: set[str] = set()
+        self.groups: dict[str, PlacementGroup] = {}  # session id -> the placement group holding its resources
+        self._local = threading.local()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # Nodes -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """A daemon on every live Ray node, then the watch for dead ones."""
+        for node_id in alive_nodes():
+            self.actors[node_id] = start_node(self.spec, node_id)
+        for node_id, actor in self.actors.items():
+            self.nodes[node_id] = ray.get(actor.info.remote(), timeout=180)["endpoint"]
+        threading.Thread(target=self._watch, name="sandboxd-fleet-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for node_id, actor in self.actors.items():
+            if node_id not in self.lost:
+                try:
+                    ray.get(actor.stop.remote(), timeout=120)
+                except Exception as exc:  # a node going away while we stop is not an error of ours
+                    log.warning("stopping the daemon of %s: %s", node_id, exc)
+        for group in self.groups.values():
+            remove_placement_group(group)
+        self.db.close()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                alive = set(alive_nodes())
+            except Exception:  # Ray's control plane busy: ask again next round
+                log.exception("asking Ray for its nodes failed")
+                continue
+            for node_id in set(self.nodes) - alive - self.lost:
+                self.node_lost(node_id)
+            for node_id in alive - set(self.actors):  # a node that joined: its daemon, without holding this loop
+                self.actors[node_id] = start_node(self.spec, node_id)
+                threading.Thread(target=self._joined, args=(node_id,), daemon=True).start()
+            self.events.wake_all()
+
+    def _joined(self, node_id: str) -> None:
+        try:
+            endpoint = ray.get(self.actors[node_id].info.remote(), timeout=180)["endpoint"]
+        except Exception:
+            log.exception("the daemon of joining node %s did not start", node_id)
+            return
+        with self._lock:
+            self.nodes[node_id] = endpoint  # only now may sessions be placed there
+        log.info("node %s joined", node_id)
+
+    def node_lost(self, node_id: str) -> list[str]:
+        """Record a node's loss: its open sessions are `lost` in the shared state; returns their ids."""
+        with self._lock:
+            self.lost.add(node_id)
+        with self.db.transaction():
+            rows = self.db.rows("SELECT session_id FROM sessions WHERE node = ? AND state IN ('open', 'opening')",
+                                [node_id])
+            self.db.execute("UPDATE sessions SET state = 'lost' WHERE node = ? AND state IN ('open', 'opening')",
+                            [node_id])
+        lost = [r["session_id"] for r in rows]
+        for session_id in lost:  # what they held went with the node; Ray must not hold it elsewhere for them
+            self._release(session_id)
+        log.warning("node %s is lost, and with it sessions %s", node_id, lost)
+        return lost
+
+    # Routing -----------------------------------------------------------------------------------
+
+    def node_of(self, request: p.Request) -> str | None:
+        """The node a request must go to, or None for any."""
+        session_id = getattr(request, "session_id", None)
+        if session_id is None and (call_id := getattr(request, "call_id", None)) is not None:
+            session_id = self.db.value("SELECT session_id FROM ledger_calls WHERE call_id = ?", [call_id])
+        if session_id is None and (revocation_id := getattr(request, "revocation_id", None)) is not None:
+            session_id = self.db.value("SELECT session_id FROM revocations WHERE revocation_id = ?", [revocation_id])
+        if not isinstance(session_id, str):
+            return None
+        row = self.db.row("SELECT node, state FROM sessions WHERE session_id = ?", [session_id])
+        if row is None:
+            raise UnknownSession(session_id)
+        if row["state"] == "lost" or row["node"] in self.lost:
+            raise SandboxUnavailable(f"session {session_id} lived on node {row['node']}, which is lost",
+                                     session_id=session_id, node=row["node"], state="lost")
+        return str(row["node"])
+
+    def _any_node(self) -> str:
+        live = sorted(set(self.nodes) - self.lost)
+        if not live:
+            raise SandboxUnavailable("no node of the fleet is alive")
+        return live[0]
+
+    def forward(self, node_id: str, request: p.Request) -> p.Response:
+        """Send `request` to the node's daemon and wait for its reply, or for the node's loss."""
+        sockets: dict[str, zmq.Socket[bytes]] = self._local.__dict__.setdefault("sockets", {})
+        sock = sockets.get(node_id)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.nodes[node_id])
+            sockets[node_id] = sock
+        sock.send(p.encode(request))
+        deadline = time.monotonic() + FORWARD_TIMEOUT_S
+        while not sock.poll(int(POLL_S * 1000)):
+            if node_id in self.lost or time.monotonic() > deadline:
+                sock.close()  # a late reply must not answer this thread's next request
+                del sockets[node_id]
+                session_id = getattr(request, "session_id", None)
+                raise SandboxUnavailable(f"node {node_id} was lost during the request", session_id=session_id,
+                                         node=node_id, state="lost")
+        return p.decode_response(sock.recv(), max_frame=1 << 31)
+
+    # Handler -----------------------------------------------------------------------------------
+
+    def handle(self, request: p.Request, peer: Peer) -> p.Response:
+        try:
+            if isinstance(request, p.OpenSessionRequest):
+                return self._open(request)
+            if isinstance(request, p.ListSessionsRequest):
+                return self._list(request)
+            if isinstance(request, p.AdoptSessionRequest):
+                return self._adopt(request)
+            node_id = self.node_of(request)
+            reply = self.forward(node_id or self._any_node(), request)
+            if isinstance(request, p.CloseSessionRequest) and not isinstance(reply, p.ErrorResponse):
+                self._release(request.session_id)
+            return reply
+        except SandboxdError as exc:
+            return p.error_response(request.request_id, exc)
+
+    def _open(self, request: p.OpenSessionRequest) -> p.Response:
+        group, node_id = self._place()
+        reply = self.forward(node_id, request)
+        if isinstance(reply, p.OpenSessionResponse):
+            with self._lock:
+                self.groups[reply.session.session_id] = group
+        else:
+            remove_placement_group(group)
+        return reply
+
+    def _adopt(self, request: p.AdoptSessionRequest) -> p.Response:
+        """Re-create a lost session on a node Ray places it on, from its last exported snapshot."""
+        row = self.db.row("SELECT node, state FROM sessions WHERE session_id = ?", [request.session_id])
+        if row is None:
+            raise UnknownSession(request.session_id)
+        if row["state"] != "lost":
+            raise SandboxUnavailable(f"session {request.session_id} is {row['state']}, not lost: nothing to re-create",
+                                     session_id=request.session_id, state=row["state"])
+        group, node_id = self._place()
+        try:
+            answer = ray.get(self.actors[node_id].adopt.remote(request.session_id), timeout=600)
+        except Exception as exc:
+            remove_placement_group(group)
+            raise SandboxUnavailable(f"re-creating {request.session_id} on {node_id} failed: {exc}",
+                                     session_id=request.session_id) from exc
+        reply = msgspec.convert({**answer, "request_id": request.request_id}, p.Response)
+        if isinstance(reply, p.AdoptSessionResponse):
+            with self._lock:
+                self.groups[request.session_id] = group
+        else:
+            remove_placement_group(group)
+        return reply
+
+    def _place(self) -> tuple[PlacementGroup, str]:
+        """A placement group holding one sandbox's resources, on the node Ray chose (which has a daemon)."""
+        group = placement_group([dict(self.bundle)], strategy="STRICT_PACK")
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except Exception as exc:
+            remove_placement_group(group)
+            raise SandboxUnavailable(f"no node has room for a sandbox of {self.bundle} ({exc})") from exc
+        node_id = placement_group_table(group)["bundles_to_node_id"][0]
+        if node_id not in self.nodes or node_id in self.lost:
+            remove_placement_group(group)
+            raise SandboxUnavailable(f"Ray placed the session on node {node_id}, which has no daemon")
+        return group, node_id
+
+    def _release(self, session_id: str) -> None:
+        with self._lock:
+            group = self.groups.pop(session_id, None)
+        if group is not None:
+            remove_placement_group(group)
+
+    def _list(self, request: p.ListSessionsRequest) -> p.Response:
+        sessions: list[p.SessionInfo] = []
+        for node_id in sorted(set(self.nodes) - self.lost):
+            reply = self.forward(node_id, request)
+            if isinstance(reply, p.ErrorResponse):
+                return reply
+            assert isinstance(reply, p.ListSessionsResponse)
+            sessions += reply.sessions
+        sessions.sort(key=lambda s: s.created_at)
+        return p.ListSessionsResponse(request_id=request.request_id, sessions=sessions)
+
+    def wait_events(self, request: p.WaitEventsRequest, peer: Peer) -> p.Response | None:
+        try:
+            node_id = self.node_of(request)
+            now = msgspec.structs.replace(request, timeout_s=0)
+            reply = self.forward(node_id or self._any_node(), now)
+        except SandboxdError as exc:
+            reply = p.error_response(request.request_id, exc)
+        with self.events.lock:
+            if isinstance(reply, p.WaitEventsResponse) and not reply.events and request.timeout_s > 0:
+                self.events.epochs[request.request_id] = reply.epoch
+                self.events.sessions.add(request.session_id)
+                return None
+            self.events.epochs.pop(request.request_id, None)
+        return reply
+
+    def no_events(self, request: p.WaitEventsRequest) -> p.Response:
+        with self.events.lock:
+            epoch = self.events.epochs.pop(request.request_id, "")
+        return p.WaitEventsResponse(request_id=request.request_id, epoch=epoch, events=[])
+
+
+def serve(ray_address: str, spec: NodeSpec, endpoint: str, door_dir: str, cpus: float = 0.5,
+          memory_mb: int = 512, ready: Callable[[Fleet], None] | None = None) -> None:
+    """`sandboxd fleet serve`: join the Ray cluster, start a daemon per node, serve until SIGTERM/SIGINT
+    (or until `ready`'s caller stops the returned server: tests run the door in a thread)."""
+    import signal
+
+    from sandboxd.config import load_config
+    from sandboxd.server import Server
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=False)
+    fleet = Fleet(spec, cpus=cpus, memory_mb=memory_mb)
+    fleet.start()
+    config = load_config(state_dir=door_dir, endpoint=endpoint)
+    server = Server(config, fleet)
+    fleet.server = server  # type: ignore[attr-defined]
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.stop())
+    if ready is not None:
+        ready(fleet)
+    try:
+        server.serve_forever()
+    finally:
+        fleet.stop()

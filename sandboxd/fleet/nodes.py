@@ -1,0 +1,127 @@
+"""One sandboxd daemon per Ray node: an actor pinned to the node starts it and owns it.
+
+The daemon is a `sandboxd serve` child of the actor's worker process with the parent-death signal set
+to SIGKILL: when Ray loses the node (its raylet and workers die), the daemon dies with it, mid-call if
+it was in one, exactly as on a machine that went away. Its sessions carry the Ray node id as their
+node (`--node-id`), which is how the front door routes them and how their loss is recorded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from sandboxd import protocol as p
+from sandboxd.client import Client, DaemonUnreachable
+from sandboxd.fleet.export import export_store, import_session
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """How every node's daemon is started: the shared state, where node state dirs go, its options."""
+
+    state: str
+    """postgresql:// URL of the one state database."""
+    state_root: str
+    """Each node's daemon gets STATE_ROOT/<node id> (node-local: snapshot layers, sockets, log)."""
+    config: str = ""
+    """A TOML configuration every daemon reads (firewall adapters, limits), or none."""
+    runtime: str = "runc"
+    shared_dir: str = ""
+    """Storage every node mounts: snapshots are exported there, and lost sessions re-created from it."""
+    export_every_s: float = 0.5
+
+
+class NodeDaemon:
+    """The actor (made remote by `start_node`): starts the node's daemon, answers where it listens."""
+
+    def __init__(self, spec: NodeSpec, node_id: str) -> None:
+        self.node_id = node_id
+        self.state_dir = Path(spec.state_root) / node_id[:16]
+        self.state_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.endpoint = f"ipc://{self.state_dir / 'sandboxd.sock'}"
+        argv = [sys.executable, "-m", "sandboxd.cli", "serve", "--state-dir", str(self.state_dir),
+                "--state", spec.state, "--node-id", node_id, "--runtime", spec.runtime]
+        if spec.config:
+            argv += ["--config", spec.config]
+        log = open(self.state_dir.parent / f"{node_id[:16]}.stderr", "ab")  # noqa: SIM115  (the child's)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon of node {node_id} exited with {self.proc.returncode}")
+            try:
+                with Client(self.endpoint, timeout_s=0.5) as probe:
+                    probe.health()
+                self._start_export(spec)
+                return
+            except DaemonUnreachable:
+                continue
+        raise RuntimeError(f"the daemon of node {node_id} did not answer within 120 s")
+
+    def _start_export(self, spec: NodeSpec) -> None:
+        self.shared = Path(spec.shared_dir) if spec.shared_dir else None
+        self.exported = threading.Event()
+        if self.shared is not None:
+            threading.Thread(target=self._export, args=(spec.export_every_s,), daemon=True).start()
+
+    def _export(self, every_s: float) -> None:
+        assert self.shared is not None
+        while self.proc.poll() is None:
+            try:
+                export_store(self.state_dir / "snapshots" / "layers", self.shared)
+            except (OSError, subprocess.CalledProcessError, ValueError) as exc:  # next round tries again
+                print(f"export from {self.node_id}: {exc}", file=sys.stderr)
+            time.sleep(every_s)
+
+    def adopt(self, session_id: str) -> dict[str, Any]:
+        """Import the lost session's last exported snapshot into this node's store, then have the daemon
+        serve it; returns the daemon's answer (an AdoptSessionResponse or ErrorResponse, as builtins)."""
+        if self.shared is None:
+            raise RuntimeError("no shared directory: nothing was exported to re-create a session from")
+        import_session(self.shared, self.state_dir / "snapshots" / "layers", session_id)
+        with Client(self.endpoint, timeout_s=300) as client:
+            reply = client.send_raw(p.encode(p.AdoptSessionRequest(request_id=uuid.uuid4().hex,
+                                                                   session_id=session_id)))
+        return msgspec.to_builtins(reply)
+
+    def info(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "endpoint": self.endpoint, "state_dir": str(self.state_dir),
+                "pid": self.proc.pid, "host": os.uname().nodename}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+def start_node(spec: NodeSpec, node_id: str) -> Any:
+    """The actor owning `node_id`'s daemon, pinned there (not soft: a daemon elsewhere owns nothing)."""
+    actor = ray.remote(num_cpus=0)(NodeDaemon).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        max_restarts=0, name=f"sandboxd-node-{node_id}", lifetime=None)
+    return actor.remote(spec, node_id)
+
+
+def alive_nodes() -> list[str]:
+    """Ray's live nodes, by id."""
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
