@@ -8,7 +8,9 @@
   included: the live KV cache is cropped to the splice offset), every model turn of the suffix is
   decoded again, every tool re-executed.
 - B5 (full reset, the reference): a fresh session in world B run from scratch on o^{-z} (z removed
-  from the exogenous texts, `forget=[z]` for tool results).
+  from the exogenous texts, `forget=[z]` for tool results) by the same scripted agent: its script is
+  the original scenario's, as the replaying agent's is (a task whose text was revoked whole is then
+  not recognized by its text in either run).
 
 Tokens are the engine's meter (prefilled and decoded apart); wall is the client's perf_counter time of
 `apply()` (B7, B5') and of the whole fresh run (B5; the engine is built outside the timers).
@@ -33,7 +35,7 @@ from agent.compare import agreement, final_state
 from agent.harness import MailSink, Web, daemon_config, run_session
 from agent.models.local import LocalBackend
 from agent.revocation import apply
-from agent.runtime import AgentSession
+from agent.runtime import AgentSession, exogenous_inputs
 from agent.scenario import Scenario
 from agent.scenarios import VENDOR_PAGE
 from sandboxd import protocol as p
@@ -153,8 +155,9 @@ def measure(tau: int, world: Worlds, scenario: Scenario, files: dict[str, str], 
 
         fresh = make_engine()
         started = time.perf_counter()
-        ref = run_session(client_b, without(scenario, target), files, forget=[target], engine=fresh,
-                          context_policy=policy)
+        # The same scripted agent (its script names the tasks) fed o^{-z}, as B7's replay is.
+        ref = run_session(client_b, scenario, files, forget=[target], engine=fresh, context_policy=policy,
+                          inputs=exogenous_inputs(without(scenario, target)))
         b5_ms = (time.perf_counter() - started) * 1000
         b5_state = final_state(ref)
         meter = ref.backend.meter
