@@ -57,6 +57,7 @@ bench: $(STAMP) image
 	$(PY) benchmarks/bench_firewall.py
 	$(PY) -m benchmarks.bench_revocation
 	$(PY) -m benchmarks.bench_revocation_work
+	$(PY) -m benchmarks.bench_long_sessions
 	$(PY) -m benchmarks.bench_console
 	$(PY) -m benchmarks.bench_model_agent
 	$(PY) -m benchmarks.bench_eval --limit 30

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from agent.chat import ChatRenderer
-from agent.models.base import GREEDY, Checkpoint, ModelBackend, Sampling, TokenMeter
+from agent.models.base import GREEDY, Checkpoint, ModelBackend, Sampling, TokenMeter, prefix_handle
 from agent.models.errors import CheckpointInvalid
+from agent.replay import token_digest
 from agent.scenario import ToolStep
 
 ROLE = {"system": "<|system|>", "memory": "<|system|>", "user": "<|user|>", "observation": "<|tool|>",
@@ -54,6 +55,19 @@ class Conversation(Protocol):
 
     def restore(self, checkpoint: Checkpoint, blocks: int) -> None:
         """Crop back to a checkpoint that held `blocks` blocks."""
+        ...
+
+    def crop(self, offset: int, blocks: int) -> None:
+        """Crop back to `offset` (of the blocks held now), which held `blocks` blocks."""
+        ...
+
+    def digest(self, span: tuple[int, int]) -> str | None:
+        """A digest of a span's tokens (None: this conversation has no tokens to digest)."""
+        ...
+
+    def replay_turn(self, text: str, digest: str | None) -> tuple[int, int] | None:
+        """Prefill a recorded model turn (open until `close_turn`), if its tokens match `digest` (None: any);
+        its span, or None with nothing appended."""
         ...
 
     def text(self) -> str:
@@ -115,6 +129,26 @@ class TokenConversation:
         self._blocks += 1
         if self.renderer is not None:
             self.renderer.add_turn(text)
+
+    def digest(self, span: tuple[int, int]) -> str | None:
+        return token_digest(self.backend.token_ids()[span[0]:span[1]])
+
+    def replay_turn(self, text: str, digest: str | None) -> tuple[int, int] | None:
+        header = self.renderer.turn_header() if self.renderer else ROLE["model_turn"]
+        tail = self.renderer.turn_tail() if self.renderer else END
+        # The model's own tokens were kept verbatim; its text re-tokenized (its special spellings as the
+        # specials it emitted) must give them back, which the digest checks.
+        ids = self._ids(header, True) + self._ids(text, True) + self._ids(tail, True)
+        if digest is not None and token_digest(ids) != digest:
+            return None
+        start = len(self.backend)
+        self.backend.append(ids)
+        return start, len(self.backend)
+
+    def crop(self, offset: int, blocks: int) -> None:
+        ids = self.backend.token_ids()
+        kind = self.backend.checkpoint().cache_handle.split(":", 1)[0]
+        self.restore(Checkpoint(offset=offset, cache_handle=prefix_handle(kind, ids, offset)), blocks)
 
     def checkpoint(self) -> Checkpoint:
         return self.backend.checkpoint()
@@ -197,6 +231,15 @@ class MessageConversation:
 
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(offset=len(self.messages), cache_handle=messages_handle(self.messages))
+
+    def crop(self, offset: int, blocks: int) -> None:
+        del self.messages[offset:]
+
+    def digest(self, span: tuple[int, int]) -> str | None:
+        return None
+
+    def replay_turn(self, text: str, digest: str | None) -> tuple[int, int] | None:
+        return None  # the server renders the messages: no token digest certifies a recorded turn here
 
     def restore(self, checkpoint: Checkpoint, blocks: int) -> None:
         if checkpoint.offset > len(self.messages) or \

@@ -20,7 +20,7 @@ from aiosmtpd.controller import Controller
 from agent.chat import ChatRenderer
 from agent.context import SeededContext
 from agent.models.local import LocalBackend
-from agent.runtime import AgentSession, exogenous_inputs
+from agent.runtime import AgentSession, Exogenous, exogenous_inputs
 from agent.scenario import Copy, Obey, Scenario, ScriptedPolicy
 from sandboxd.client import Client
 
@@ -123,10 +123,13 @@ def seed_workspace(client: Client, session_id: str, files: dict[str, str]) -> No
 def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, seed: int = 0,
                 forget: list[str] | None = None, hijackable: bool = True,
                 engine: LocalBackend | None = None, setup: Callable[[Client, str], object] | None = None,
-                obey: Obey | None = None, copy: Copy | None = None) -> AgentSession:
+                obey: Obey | None = None, copy: Copy | None = None, context_policy: str = "session",
+                inputs: list[Exogenous] | None = None) -> AgentSession:
     """Open a sandbox session, seed it, and run the scenario with the scripted policy on the local engine.
 
-    `setup` prepares the session's outside world (an AgentDojo environment) before the agent starts.
+    `setup` prepares the session's outside world (an AgentDojo environment) before the agent starts;
+    `context_policy` is the runtime's (`session`: every block so far; `task`: each task on its own).
+    `inputs` replaces the scenario's exogenous stream (a counterfactual o^{-z} fed to the same scripted agent).
     """
     session_id = client.open_session(forget=forget).session_id
     seed_workspace(client, session_id, files)
@@ -135,8 +138,8 @@ def run_session(client: Client, scenario: Scenario, files: dict[str, str], *, se
     engine = engine or LocalBackend.tiny(seed=seed, max_positions=65536)
     agent = AgentSession(client, session_id, engine, ScriptedPolicy(scenario, hijackable=hijackable, obey=obey,
                                                                             copy=copy),
-                         SeededContext(seed=seed))
-    agent.start(exogenous_inputs(scenario))
+                         SeededContext(seed=seed), context_policy=context_policy)
+    agent.start(exogenous_inputs(scenario) if inputs is None else inputs)
     agent.run()
     return agent
 

@@ -4,7 +4,11 @@ The daemon restores the sandbox and hands over the plan (the checkpoint, its con
 exogenous inputs that follow it); the agent crops its model cache to the checkpoint's offset
 (Lemma 1: nothing before tau is recomputed), then runs its ordinary loop under a replay branch:
 recorded inputs are re-fed by prefill, model turns decoded again, tools called again with external
-ones in shadow mode. What it cost is metered by the backend and sent with the commit.
+ones in shadow mode. With `certify` (the default) what the record certifies is taken from it instead
+(`agent.replay`): reads nothing changed under, and model turns the graph shows independent of z,
+prefilled from their recorded tokens. Without it the replay is the paper's B5': the cached prefix
+before tau reused, every model turn of the suffix decoded again. What it cost is metered by the
+backend and sent with the commit.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import secrets
 from typing import Any
 
+from agent.replay import ReplayPlan
 from agent.runtime import AgentSession, Exogenous
 from sandboxd import protocol as p
 from sandboxd.client import RemoteError
@@ -34,26 +39,30 @@ def apply_pending(session: AgentSession) -> list[p.RevocationReport]:
     return reports
 
 
-def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = False) -> p.RevocationReport:
-    """Replay the session from the splice checkpoint without the revoked input; returns the daemon's report."""
+def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = False,
+          certify: bool = True) -> p.RevocationReport:
+    """Replay the session from the splice checkpoint without the revoked input; returns the daemon's report.
+    `certify` False recomputes everything after the splice (the B5' control)."""
     session.flush()
     plan = session.client.begin_revocation(revocation_id)
+    replay = replay_plan(session, plan) if certify else None
     before = session.conversation.meter if session.conversation is not None else session.backend.meter
     session.resume(plan.checkpoint, session.context_of(plan.checkpoint),
                    [Exogenous(type=i.type, text=i.text) for i in plan.inputs])
     session.branch, session.mode = plan.branch, "shadow"
     session.source_result = (plan.source_call, plan.source_result or "") if plan.source_call else None
     session.calls_made = []
+    session.replay = replay
     try:
         session.run()
     finally:
-        session.branch, session.mode, session.source_result = "", "live", None
+        session.branch, session.mode, session.source_result, session.replay = "", "live", None, None
     assert session.conversation is not None
     used = session.conversation.meter - before
     made = session.calls_made
     counts = {
         "reexecuted": sum(1 for r in made if session.effect(r.tool) != "external"),
-        "reused": 0,
+        "reused": replay.reused if replay else 0,
         "shadowed": sum(1 for r in made if r.shadowed or r.deduplicated),
         "deduplicated": sum(1 for r in made if r.deduplicated),
     }
@@ -62,10 +71,19 @@ def apply(session: AgentSession, revocation_id: str, *, flush_cache: bool = Fals
     return session.client.commit_revocation(p.CommitRevocationRequest(
         request_id=session.client._rid(), revocation_id=revocation_id,
         tokens=p.TokenCounts(reused_prefix=plan.checkpoint.token_offset, prefilled=used.prefilled,
-                             decoded=used.decoded, full_reset=len(session.conversation)),
+                             decoded=used.decoded, full_reset=len(session.conversation),
+                             turns_prefilled=replay.prefilled_turns if replay else 0),
         transitions_replayed=final_step - plan.checkpoint.step, final_step=final_step, answer=session.answer(),
         call_counts=counts, agent_notes=notes,
     ))
+
+
+def replay_plan(session: AgentSession, plan: p.BeginRevocationResponse) -> ReplayPlan:
+    """What the replay may take from the record: the original's graph (its live branch, still whole until
+    the commit), the daemon's sanitized results, and the tools' effect classes."""
+    tools = session.client.tools(session.session_id)
+    return ReplayPlan(session.client.graph(session.session_id).artifacts, plan, {t.name: t.effect for t in tools},
+                      [t.name for t in tools if t.effect == "read" and not t.open_world])
 
 
 def _forget_server_cache(session: AgentSession, flush: bool) -> list[str]:

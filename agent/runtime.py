@@ -9,6 +9,12 @@ restoring the model cache and the blocks of the checkpoint's manifest: that is h
 Every block and every derived artifact (plan, tool call, reply) is reported to the daemon with the
 dependencies that actually occurred; a checkpoint (metadata only) is registered before every
 observation, before every external call and before every compaction.
+
+The context policy says what a model turn's prompt holds. `session` (the default): every block so
+far. `task`: a new task opens with the system prompt, the memories and the task, not the raw blocks of
+earlier tasks (the model's cache is cropped back to the memories and the task is appended); a turn's
+recorded parents are exactly that prompt, so a later task that reads nothing tainted is independent of
+a revoked input as the graph certifies it, and a replay prefills its recorded turns (`agent.replay`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import msgspec
 from agent.context import SeededContext, artifact_id
 from agent.conversation import END, ROLE, Conversation, MessageConversation, TokenConversation
 from agent.models.base import GREEDY, Checkpoint, Sampling
+from agent.models.errors import CheckpointInvalid
+from agent.replay import DIGEST, ReplayPlan
 from agent.scenario import ContextBlock, Scenario, ScriptedPolicy, ToolStep
 from agent.toolcalls import ParsedTurn, ToolCallParser
 from sandboxd import protocol as p
@@ -30,6 +38,7 @@ from sandboxd.client import Client, RemoteError
 __all__ = ["END", "ROLE", "AgentSession", "Block", "Exogenous", "artifact_of", "block_of", "exogenous_inputs"]
 
 DEFAULT_SYSTEM = "You are an assistant working in /workspace. Use the tools; answer briefly."
+CONTEXT_POLICIES = ("session", "task")
 
 #: Why a model-driven session refuses compaction (summaries are written by the scripted policy only)
 COMPACTION_REFUSED = (
@@ -78,7 +87,8 @@ class AgentSession:
     def __init__(self, client: Client, session_id: str, backend: Any, policy: ScriptedPolicy | None = None,
                  ctx: SeededContext | None = None, *, system: str | None = None, chat: Any = None,
                  toolcall_format: str | None = None, sampling: Sampling = GREEDY, compact_every: int | None = None,
-                 max_turn_tokens: int = 4096, echo: Any = None, max_turns: int = 12) -> None:
+                 max_turn_tokens: int = 4096, echo: Any = None, max_turns: int = 12,
+                 context_policy: str = "session") -> None:
         """`policy` given: its turns, teacher-forced through the backend (the scripted baselines). Otherwise the
         model decides: `chat` (an `agent.chat.ChatRenderer` factory taking the tools, or None for the byte
         tokenizer's role markers) lays the context out, `toolcall_format` reads its turns."""
@@ -119,6 +129,14 @@ class AgentSession:
         self.calls_made: list[p.CallResult] = []
         self.between_turns: Any = None
         """Called before each step of the live loop (the event watcher takes pending revocations there)."""
+        if context_policy not in CONTEXT_POLICIES:
+            raise ValueError(f"context_policy {context_policy!r}: choose one of {', '.join(CONTEXT_POLICIES)}")
+        self.context_policy = context_policy
+        self.replay: ReplayPlan | None = None
+        """During a replay: the reads and turns it may take from the record (None: recompute everything)."""
+        self._steps_before = 0
+        self._turns_before = 0
+        """Steps and turns of the blocks no longer in the context (earlier tasks under the `task` policy)."""
 
     def _setup(self) -> None:
         """The conversation and the parser, built on the tools the daemon serves this session."""
@@ -135,11 +153,11 @@ class AgentSession:
 
     @property
     def step(self) -> int:
-        return sum(1 for b in self.blocks if b.type in p.OBSERVATION_TYPES)
+        return self._steps_before + sum(1 for b in self.blocks if b.type in p.OBSERVATION_TYPES)
 
     @property
     def turn(self) -> int:
-        return sum(1 for b in self.blocks if b.type in ("model_turn", "summary"))
+        return self._turns_before + sum(1 for b in self.blocks if b.type in ("model_turn", "summary"))
 
     def context(self) -> list[ContextBlock]:
         """The context as the policy sees it."""
@@ -209,7 +227,10 @@ class AgentSession:
             return False
         item = self.queue.popleft()
         if item.type == "user":
-            self._inject_summaries()
+            pending = self._uninjected_summaries()
+            if self.context_policy == "task":
+                self._open_task()
+            self._inject_summaries(pending)
             self._checkpoint("turn")
             self._append("user", artifact_id("user", self.step + 1), item.text, parents=[])
         else:
@@ -217,9 +238,29 @@ class AgentSession:
             self._append("memory", artifact_id("mem", self.step + 1), item.text, parents=[])
         return True
 
-    def _inject_summaries(self) -> None:
+    def _uninjected_summaries(self) -> list[Block]:
         injected = {b.injects for b in self.blocks if b.type == "memory"}
-        for block in [b for b in self.blocks if b.type == "summary" and b.artifact_id not in injected]:
+        return [b for b in self.blocks if b.type == "summary" and b.artifact_id not in injected]
+
+    def _open_task(self) -> None:
+        """`task` policy: drop the raw blocks of the tasks so far; the system prompt and memories stay."""
+        if not any(b.type == "user" for b in self.blocks):
+            return
+        lead = next(i for i, b in enumerate(self.blocks) if b.type not in ("system", "memory"))
+        kept = [b for b in self.blocks[lead:] if b.type == "memory"]
+        dropped = self.blocks[lead:]
+        self._steps_before += sum(1 for b in dropped if b.type in p.OBSERVATION_TYPES and b not in kept)
+        self._turns_before += sum(1 for b in dropped if b.type in ("model_turn", "summary"))
+        assert self.conversation is not None
+        self.flush()
+        self.conversation.crop(self.blocks[lead - 1].span[1], lead)
+        self.blocks = self.blocks[:lead]
+        for block in kept:  # memories injected after the first task: read again, not recorded again
+            block.span = self.conversation.add("memory", block.text)
+            self.blocks.append(block)
+
+    def _inject_summaries(self, pending: list[Block]) -> None:
+        for block in pending:
             self._checkpoint("memory")
             text = "Memory: " + block.text
             self._append("memory", artifact_id("mem", self.step + 1), text, parents=[block.artifact_id],
@@ -228,7 +269,15 @@ class AgentSession:
     def _decode_turn(self) -> None:
         turn = self.turn + 1
         parents = [b.artifact_id for b in self.blocks]
-        text, span = self._decode(lambda: self.policy.next_turn(self.context()) if self.policy else "")
+        assert self.conversation is not None
+        recorded = self.replay.turn_for([(b.type, b.text) for b in self.blocks]) if self.replay else None
+        span = self.conversation.replay_turn(recorded.text, recorded.digest) if recorded else None
+        if recorded is not None and span is not None:
+            text = recorded.text  # certified independent of z: re-materialized by prefill (agent.replay)
+            assert self.replay is not None
+            self.replay.prefilled_turns += 1
+        else:
+            text, span = self._decode(lambda: self.policy.next_turn(self.context()) if self.policy else "")
         parsed = self._parse(text)
         tid = artifact_id("turn", turn)
         call_ids = [(artifact_id("call", turn, k), call) for k, call in enumerate(parsed.calls)]
@@ -237,7 +286,8 @@ class AgentSession:
         block = Block(artifact_id=tid, type="model_turn", text=text, span=span, calls=call_ids,
                       errors=parsed.errors, reply=parsed.answer, plan=parsed.plan)
         self.blocks.append(block)
-        self._record(tid, "model_turn", text, parents, span)
+        digest = self.conversation.digest(span)
+        self._record(tid, "model_turn", text, parents, span, meta={DIGEST: digest} if digest else None)
         if parsed.plan:
             self._record(artifact_id("plan", turn), "plan", parsed.plan, [tid], None)
         for (cid, call), error in zip(call_ids, parsed.errors, strict=True):
@@ -281,7 +331,13 @@ class AgentSession:
             text = f"error invalid_call: {error}"
         elif self.source_result is not None and self.source_result[0] == call_artifact:
             text, self.source_result = self.source_result[1], None
+        elif self.replay is not None and manifest_effect == "read" and \
+                (recorded := self.replay.read(call.name, call.arguments)) is not None:
+            text = recorded  # nothing it reads changed since the checkpoint (agent.replay)
+            self.replay.reused += 1
         else:
+            if self.replay is not None and manifest_effect == "write":
+                self.replay.wrote = True
             text = self._call(call_artifact, call)
         self._checkpoint("turn")
         self._append("observation", artifact_id("obs", self.step + 1), text, parents=[call_artifact],
@@ -371,10 +427,39 @@ class AgentSession:
         """Restore the model cache and the blocks to a checkpoint; queue the inputs that follow it."""
         self._setup()
         assert self.conversation is not None
-        self.conversation.restore(Checkpoint(offset=checkpoint.token_offset, cache_handle=checkpoint.cache_handle),
-                                  len(context))
-        self.blocks = [block_of(a, self._parse) for a in context]
+        point = Checkpoint(offset=checkpoint.token_offset, cache_handle=checkpoint.cache_handle)
+        blocks = [block_of(a, self._parse) for a in context]
+        try:
+            self.conversation.restore(point, len(context))
+        except CheckpointInvalid:
+            self._rebuild(point, blocks)
+        self.blocks = blocks
+        self._steps_before = checkpoint.step - sum(1 for b in blocks if b.type in p.OBSERVATION_TYPES)
+        self._turns_before = checkpoint.turn - sum(1 for b in blocks if b.type in ("model_turn", "summary"))
         self.queue = collections.deque(inputs)
+
+    def _rebuild(self, point: Checkpoint, blocks: list[Block]) -> None:
+        """A checkpoint the cache no longer holds (an earlier task's, under the `task` policy): crop back to
+        the system prompt and memories and prefill the manifest's blocks, model turns as recorded; the
+        result must be the checkpoint's very tokens (its handle), else the restore fails as before."""
+        assert self.conversation is not None
+        lead = next((i for i, b in enumerate(blocks) if b.type not in ("system", "memory")), len(blocks))
+        for keep in ((lead, blocks[lead - 1].span[1]) if lead else (0, 0), (0, 0)):
+            if keep[1] > len(self.conversation):
+                continue
+            self.conversation.crop(keep[1], keep[0])
+            for block in blocks[keep[0]:]:
+                if block.type in ("model_turn", "summary"):
+                    span = self.conversation.replay_turn(block.text, None)
+                    assert span is not None, "this conversation cannot prefill a recorded turn"
+                    self.conversation.close_turn(block.text, [], "")
+                else:
+                    tool = next((c.name for b in blocks for cid, c in b.calls if cid == block.answers), None)
+                    span = self.conversation.add(block.type, block.text, tool=tool, call_id=block.answers)
+                block.span = span
+            if self.conversation.checkpoint() == point:
+                return
+        raise CheckpointInvalid(point.offset, "the recorded blocks do not rebuild the checkpoint's tokens")
 
 
 def artifact_of(block: Block) -> p.Artifact:

@@ -140,7 +140,12 @@ class ScriptedPolicy:
         users = [i for i, b in enumerate(context) if b.type == "user"]
         if not users or len(users) > len(self.scenario.tasks):
             return turn_text(None, answer="ready")
+        # The task by its text: a context that holds only the current task (the `task` context policy) has
+        # one user input whatever task it is; by position when the text names none (an input revoked whole).
         task = self.scenario.tasks[len(users) - 1]
+        named = [t for t in self.scenario.tasks if t.text == context[users[-1]].text]
+        if named and task not in named:
+            task = named[0]
         since = context[users[-1] + 1:]
         results = [b.text for b in since if b.type == "observation"]
         actions = self._actions(task, results)

@@ -234,6 +234,9 @@ class TokenCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     decoded: Count = 0
     recomputed: Count = 0
     full_reset: Count = 0
+    turns_prefilled: Count = 0
+    """Model turns of the suffix re-materialized by prefill from their recorded tokens (independent of z, as
+    the graph certifies), not decoded again; their tokens count in `prefilled`."""
 
 
 class ExogenousInput(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -241,6 +244,16 @@ class ExogenousInput(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     type: Literal["user", "memory"]
     text: str
+
+
+class RecordedResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A tool result of the old suffix, as recorded and sanitized: a replay may answer a read from it when
+    nothing the read depends on changed (the agent decides; the daemon only hands it over)."""
+
+    observation: str
+    call: str
+    """The tool-call artifact it answers."""
+    content: str
 
 
 class RevocationInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -791,6 +804,10 @@ class BeginRevocationResponse(_Response):
     source_call: str | None = None
     source_result: str | None = None
     """When the source is a tool result: the call it answers and its recorded content minus the target."""
+    recorded: list[RecordedResult] = []
+    """The old suffix's other tool results, sanitized, oldest first (what a replay may reuse)."""
+    closure: list[str] = []
+    """The taint closure I(z): a replayed model turn none of whose parents is in it may be re-materialized."""
 
 
 class CommitRevocationResponse(_Response):

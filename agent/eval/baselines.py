@@ -17,8 +17,10 @@ get a fresh copy each (B9 reads B7's). The references run in world B. What each 
 - B4 amputate: every artifact of the taint closure I(z) is dropped from the context and the runtime
   artifacts; the cache is re-prefilled from the first dropped block on.
 - B5 full reset: a fresh session in world B, from scratch, on o^{-z} (the reference).
-- B5' prefix-cached full replay: B5's state; tokens are B5's minus the prefilled non-model blocks
-  ending at or before the splice offset (a prefix cache serves them), as bench_revocation defines it.
+- B5' prefix-cached full replay, run: a fresh copy of the original session replays the suffix from the
+  splice checkpoint with certification off (`apply(..., certify=False)`): the cached prefix before tau
+  is reused, model turns included, and every model turn of the suffix is decoded again; no read is
+  answered from the record.
 - B6 redact every artifact: every needle (z and its payload strings, known in advance) is removed
   from every block and artifact, model-authored ones included; the cache is re-prefilled.
 - B7 this system: agent.revocation.apply on the detector's revocation (restore, replay the suffix).
@@ -43,8 +45,6 @@ from agent.runtime import END, ROLE, AgentSession, Block, Exogenous
 from agent.scenario import Copy, Obey, Scenario
 from sandboxd import protocol as p
 from sandboxd.client import Client
-
-MODEL_TYPES = ("model_turn", "summary")
 
 
 class NotExposed(RuntimeError):
@@ -334,21 +334,20 @@ class FullReset:
 
 
 class PrefixCachedReplay:
-    """B5': B5's state; the prefilled non-model blocks before the splice offset are served by a prefix cache."""
+    """B5': the suffix replayed from the splice checkpoint with nothing taken from the record (run, not derived):
+    the cached prefix before tau is reused, model turns included; every suffix turn is decoded again."""
 
     name = "B5'"
 
     def run(self, ctx: PairContext) -> MethodResult:
-        agent = ctx.original(fresh=False)
-        _, source = ctx.revocation(agent)
-        splice = ctx.world_a.provenance(agent.session_id, source).checkpoint
-        if splice is None:
-            raise RuntimeError(f"no checkpoint before {source}: the splice offset is unknown")
-        offset = splice.token_offset
-        ref = ctx.reference()
-        served = sum(b.span[1] - b.span[0] for b in ref.blocks if b.type not in MODEL_TYPES and b.span[1] <= offset)
-        return MethodResult(method=self.name, state=ref.state, tokens_recomputed=ref.tokens - served,
-                            session=ref.session)
+        agent = ctx.original()
+        revocation_id, _ = ctx.revocation(agent)
+        started = time.perf_counter()
+        report = apply(agent, revocation_id, certify=False)
+        wall = time.perf_counter() - started
+        return MethodResult(method=self.name, state=capture(agent), tokens_recomputed=report.tokens.recomputed,
+                            fired_twice=int(report.calls.get("fired_twice", 0)), session=agent, report=report,
+                            wall_s=wall)
 
 
 class Revocation:

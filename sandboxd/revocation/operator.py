@@ -120,9 +120,10 @@ class RevocationOperator:
             closure = self.provenance.closure(sid, row.source)
             self.records.update(req.revocation_id, state="taken", branch=branch.id, started_at=time.time(),
                                 closure=json.dumps(closure), T=self.provenance.last_step(sid))
-        return self._plan(req.request_id, row, branch)
+        return self._plan(req.request_id, row, branch, closure)
 
-    def _plan(self, request_id: str, row: RevocationRow, branch: Branch) -> p.BeginRevocationResponse:
+    def _plan(self, request_id: str, row: RevocationRow, branch: Branch,
+              closure: list[str]) -> p.BeginRevocationResponse:
         sid, checkpoint = row.session_id, branch.splice
         live = self.provenance.artifacts(sid)
         inputs = [p.ExogenousInput(type=a.type, text=self._sanitized(sid, a)) for a in live
@@ -131,10 +132,15 @@ class RevocationOperator:
         if source is None:
             raise NotFound(f"session {sid} has no artifact {row.source!r}", artifact_id=row.source)
         source_call = source.parents[0] if source.type == "observation" and source.parents else None
+        recorded = [p.RecordedResult(observation=a.artifact_id, call=a.parents[0], content=self._sanitized(sid, a))
+                    for a in self.provenance.artifacts(sid)
+                    if a.type == "observation" and a.parents and a.step > checkpoint.step
+                    and a.artifact_id != row.source]
         return p.BeginRevocationResponse(
             request_id=request_id, revocation_id=row.revocation_id, branch=branch.id, checkpoint=checkpoint,
             inputs=inputs, source_call=source_call,
-            source_result=self._sanitized(sid, source) if source_call else None)
+            source_result=self._sanitized(sid, source) if source_call else None, recorded=recorded,
+            closure=closure)
 
     def _sanitized(self, sid: str, artifact: p.Artifact) -> str:
         return self.forgotten.sanitize(sid, artifact, self.served_in_daemon(str(artifact.meta.get("tool", ""))))
@@ -233,7 +239,7 @@ class RevocationOperator:
                         "snapshot_id": splice.snapshot_id},
             tokens=p.TokenCounts(reused_prefix=tokens.reused_prefix, prefilled=tokens.prefilled,
                                  decoded=tokens.decoded, recomputed=tokens.prefilled + tokens.decoded,
-                                 full_reset=tokens.full_reset),
+                                 full_reset=tokens.full_reset, turns_prefilled=tokens.turns_prefilled),
             transitions_replayed=req.transitions_replayed if req else 0, calls=counts, leak_scan=leak,
             not_erased=not_erased, wall_ms=(time.time() - (row.started_at or time.time())) * 1000,
             answer=req.answer if req else None, raised_by=row.raised_by)

@@ -14,7 +14,8 @@ from agent.eval.runner import COLUMNS, evaluate, markdown
 
 pytestmark = pytest.mark.docker
 
-# B9 and B5' are left out to stay within the time budget: B9 is B7's run plus a count, B5' is B5's state.
+# B9 and B5' are left out to stay within the time budget: B9 is B7's run plus a count, B5' B7's replay with
+# certification off (tests/integration/test_revocation.py compares the two).
 METHODS = ["B0", "B1", "B2", "B3", "B4", "B5", "B6", "B7"]
 INJECTED, WITHDRAWN = "builtin/vendor-page", "builtin/withdrawn-exclusion"
 PAIRS = [INJECTED, WITHDRAWN]

@@ -149,6 +149,34 @@ def test_cost_follows_the_suffix_not_the_session(worlds: tuple[World, World], we
     assert long.tokens.full_reset > short.tokens.full_reset > short.tokens.recomputed
 
 
+def test_task_context_prefills_independent_turns_and_reuses_unchanged_reads(worlds: tuple[World, World],
+                                                                           web: Web) -> None:
+    """Under the `task` context policy a later task's turns have no tainted parent: B7 prefills them from the
+    record and still equals B5, while B5' (nothing certified) decodes them all again; a read nothing was
+    written under since the checkpoint is answered from the record."""
+    live, reference = worlds
+    scenario = finance(web.url("/vendors"), compact_every=0)
+    runs = {}
+    for certify in (True, False):
+        agent = run_session(live.client, scenario, WORKSPACE, context_policy="task")
+        graph = live.client.graph(agent.session_id).artifacts
+        # A turn's recorded parents are its prompt: the system prompt, the memories and its own task.
+        last = [a for a in graph if a.type == "model_turn"][-1]
+        assert sum(1 for a in graph if a.type == "user" and a.artifact_id in last.parents) == 1
+        source = next(a for a in graph if a.type == "observation" and a.meta.get("tool") == "list_dir")
+        raised = live.client.revoke(agent.session_id, source.artifact_id, None)
+        runs[certify] = (agent, apply(agent, raised.revocation.revocation_id, certify=certify), source.content)
+    (b7, report, target), (b5p, control, _) = runs[True], runs[False]
+    fresh = run_session(reference.client, scenario, WORKSPACE, forget=[target], context_policy="task")
+    reference_state = final_state(fresh)
+    assert agreement(final_state(b7), reference_state)["all"]
+    assert agreement(final_state(b5p), reference_state)["all"]
+    assert report.calls["reused"] >= 1 and control.calls["reused"] == 0  # the q3.csv read after the listing
+    assert report.tokens.turns_prefilled >= 5 and control.tokens.turns_prefilled == 0
+    assert report.tokens.decoded < control.tokens.decoded
+    assert report.tokens.recomputed == control.tokens.recomputed  # prefilled instead of decoded, token for token
+
+
 @both_runtimes
 def test_detector_revocation_forgets_physically_and_fires_nothing_twice(worlds: tuple[World, World],
                                                                        web: Web) -> None:
