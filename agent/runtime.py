@@ -15,6 +15,11 @@ far. `task`: a new task opens with the system prompt, the memories and the task,
 earlier tasks (the model's cache is cropped back to the memories and the task is appended); a turn's
 recorded parents are exactly that prompt, so a later task that reads nothing tainted is independent of
 a revoked input as the graph certifies it, and a replay prefills its recorded turns (`agent.replay`).
+
+Why one module: the loop, the blocks it appends and the provenance it reports are one state machine
+over one list; a replay resumes it from a checkpoint's manifest, so the code that writes a block and
+the code that records its parents must change together. Backends, tool-call parsing, compaction and
+the replay itself already live beside it.
 """
 
 from __future__ import annotations

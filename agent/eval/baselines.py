@@ -27,6 +27,9 @@ get a fresh copy each (B9 reads B7's). The references run in world B. What each 
 - B8 information-flow control only: the session runs in world C, whose firewall refuses external
   calls carrying words of the flagged observation (`sandboxd.firewall.flow`); nothing is forgotten.
 - B9 IFC plus replay: B8's session, then B7's revocation of it.
+
+Why one module: the methods are the table of the paper's baselines, read side by side; each is a few
+lines over the shared `PairContext`, and splitting them would scatter one comparison over files.
 """
 
 from __future__ import annotations
