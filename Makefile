@@ -50,7 +50,7 @@ postgres:
 pytest: $(STAMP) image browser postgres
 	$(PY) -m pytest -q -ra
 
-bench: $(STAMP) image
+bench: $(STAMP) image postgres
 	$(PY) -m benchmarks.bench_calls
 	$(PY) -m benchmarks.bench_snapshots
 	$(PY) -m benchmarks.bench_revoke_concurrent
@@ -60,6 +60,8 @@ bench: $(STAMP) image
 	$(PY) -m benchmarks.bench_long_sessions
 	$(PY) -m benchmarks.bench_console
 	$(PY) -m benchmarks.bench_model_agent
+	$(PY) -m benchmarks.bench_state
+	$(PY) -m benchmarks.bench_fleet
 	$(PY) -m benchmarks.bench_eval --limit 30
 
 # Every method on the built-in suite and on AgentDojo's banking and slack suites, under both release
