@@ -86,6 +86,8 @@ effect sent to the outside world), or "" when it must be scrubbed."""
 #: the reason an exempt cell may keep a forgotten value
 AGENT_WROTE_IT = ("written by the agent itself in the replay, from a context that never held it: the "
                   "counterfactual agent writes it too")
+SYSTEM_PROMPT = ("the system prompt spells it: it was in the context before anything was observed, in the "
+                 "counterfactual world too")
 SENT_OUT = ("what an external effect sent to the outside world: the far side holds it anyway, and the ledger keeps "
             "it so the effect can be compensated")
 
@@ -119,11 +121,13 @@ def cells(db: Database, session_id: str | None = None) -> list[tuple[str, _Colum
     return found
 
 
-_MINTED_CALL_ID = re.compile(r"c-[0-9a-f]{32}")
+#: a call id the daemon minted (random), or one the agent runtime composes of a branch id and the call's
+#: position in its turn (`br-0123456789ab/call-3-0`, `live/call-3-0`)
+_MINTED_CALL_ID = re.compile(r"c-[0-9a-f]{32}|(?:live|br-[0-9a-f]{12})/call-[0-9]+-[0-9]+")
 
 
 def minted(column: _Column, value: str) -> bool:
-    """A call id the daemon minted (random): it can spell a short target only by chance, and is no content."""
+    """A call id made of structure alone: it can spell a short target only by chance, and is no content."""
     return column.key and _MINTED_CALL_ID.fullmatch(value) is not None
 
 

@@ -21,6 +21,7 @@ from sandboxd.revocation.erasure import (
     AGENT_WROTE_IT,
     MIN_NEEDLE_BYTES,
     SENT_OUT,
+    SYSTEM_PROMPT,
     Exempt,
     cells,
     distinctive,
@@ -66,7 +67,7 @@ class LeakScan:
         target: `forget` takes it out of the report too."""
         found = [(forget.text(where), reason) for where, reason in self.found]
         environment = [w for w, r in found if w.startswith(("sandbox:", "container:")) and r]
-        counterfactual = environment + [w for w, r in found if r == AGENT_WROTE_IT]
+        counterfactual = environment + [w for w, r in found if r in (AGENT_WROTE_IT, SYSTEM_PROMPT)]
         sent = [w for w, r in found if r == SENT_OUT]
         leaks = [w for w, r in found if not r]
         leak = {"locations_checked": self.locations_checked, "hits": len(leaks), "where": leaks,
@@ -107,6 +108,8 @@ def kept_cells(session_id: str, branch: str, since: float) -> Exempt:
         if row.get("session_id") != session_id:
             return ""
         if table == "prov_artifacts":
+            if column == "content" and row.get("type") == "system":
+                return SYSTEM_PROMPT  # the agent's engine keeps it too: the record stays what the agent read
             return AGENT_WROTE_IT if column in ("content", "meta") and row.get("type") in AGENT_TYPES else ""
         if table == "calls":  # the old suffix's calls are deleted by now: the later ones are the replay's
             return AGENT_WROTE_IT if column == "args" and (row.get("created_at") or 0.0) > since else ""
@@ -168,24 +171,26 @@ class LeakScanner:
         scan.extend(self.scan_scratch(session_id, needles), "container:", "the sandbox's scratch space as the "
                     "replay left it: the counterfactual world holds it too")
         scan.locations_checked += 1
-        reason = self._context_reason(session_id, wanted)
-        if reason is not None:
+        for reason in self._context_reasons(session_id, wanted):
             scan.add("agent:context", reason)
         return scan
 
-    def _context_reason(self, session_id: str, wanted: ForgetFilter) -> str | None:
-        """Whether the agent's context (its recorded blocks) spells the target, and why it may: None when it
-        does not, empty (a leak) when a block the agent read says it."""
-        reasons = []
+    def _context_reasons(self, session_id: str, wanted: ForgetFilter) -> list[str]:
+        """Why the agent's context (its recorded blocks) may spell the target, one line per cause (none: it
+        does not); one empty reason (a leak) when a block the agent read says it."""
+        reasons: list[str] = []
         for artifact in self.context(session_id):
             if artifact.type in p.OBSERVATION_TYPES and wanted.holds_record(artifact.content):
-                return ""
+                return [""]
             if artifact.type == "system" and wanted.holds(artifact.content):
-                reasons.append("the system prompt spells it: it was in the context before anything was observed, "
-                               "in the counterfactual world too")
+                reason = SYSTEM_PROMPT
             elif artifact.type in AGENT_TYPES and wanted.holds(artifact.content):
-                reasons.append(AGENT_WROTE_IT)
-        return reasons[0] if reasons else None
+                reason = AGENT_WROTE_IT
+            else:
+                continue
+            if reason not in reasons:  # every cause is reported, not only the first block's
+                reasons.append(reason)
+        return reasons
 
 
 def _grouped(found: list[tuple[str, str]]) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from agent.harness import MailSink, Web, daemon_config, run_session
@@ -187,6 +187,7 @@ def revoked_form(target: str, form: str) -> str | None:
 
 @THROUGH_TOOLS
 @given(target=TARGETS, form=FORMS)
+@example(target="r", form="raw")  # spelled by the system prompt and by the agent: both causes are reported
 def test_a_revoked_value_comes_back_through_no_tool_record_report_or_file(
         world: tuple[Client, Web, DaemonProcess], target: str, form: str) -> None:
     client, web, daemon = world
@@ -215,7 +216,7 @@ def test_a_revoked_value_comes_back_through_no_tool_record_report_or_file(
             assert any("written by the agent itself" in note for note in report.not_erased), report.not_erased
         # A value the system prompt spells by chance (`ta` in `assistant`) was there before anything was read.
         if any(holds(b.text, target) for b in agent.blocks if b.type == "system"):
-            assert any("system prompt" in note for note in report.not_erased), report.not_erased
+            assert any("system prompt" in note for note in report.not_erased), "\n".join(report.not_erased)
         # No later call brings it back, through any tool.
         for tool, args in (("read_file", {"path": "notes.txt"}), ("list_dir", {}), ("shell", {"command": "cat *"}),
                            ("python", {"code": "import os; print(os.listdir('.'), open('notes.txt').read())"}),
@@ -227,7 +228,9 @@ def test_a_revoked_value_comes_back_through_no_tool_record_report_or_file(
         for call in client.calls(sid):
             # Ids the daemon mints (a random `c-<hex>`, the digest that replaced an id made from the value) spell
             # a one-character value only by chance; an id the agent made from it (`seed/<name>`) must be gone.
-            minted = re.fullmatch(r"c-[0-9a-f]{32}|[0-9]+|[A-Z]+|[a-z]+", call.call_id)
+            # So does the runtime's id of a call, a branch id and the call's position (`br-<hex>/call-7-0`).
+            minted = re.fullmatch(r"c-[0-9a-f]{32}|[0-9]+|[A-Z]+|[a-z]+|(live|br-[0-9a-f]{12})/call-[0-9]+-[0-9]+",
+                                  call.call_id)
             assert minted or not holds(call.call_id, target), call
             assert not holds(call.result or {}, target), call
             # The agent's own arguments (see above), and the calls this test makes below, say what their caller says.
