@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosmtpd.controller import Controller
 
 from sandboxd.client import Client, RemoteError
 from sandboxd.db import Database
@@ -36,10 +35,8 @@ pytestmark = pytest.mark.docker
 @pytest.fixture(scope="module")
 def smtp() -> Iterator[SlowSmtpSink]:
     sink = SlowSmtpSink()
-    controller = Controller(sink, hostname="127.0.0.1", port=sink.port)
-    controller.start()
     yield sink
-    controller.stop()
+    sink.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiosmtpd.controller import Controller
 
 from sandboxd.client import RemoteError
 from sandboxd.errors import ErrorCode
@@ -27,10 +26,8 @@ pytestmark = pytest.mark.docker
 @pytest.fixture
 def smtp() -> Iterator[SlowSmtpSink]:
     sink = SlowSmtpSink(delay=0.2)
-    controller = Controller(sink, hostname="127.0.0.1", port=sink.port)
-    controller.start()
     yield sink
-    controller.stop()
+    sink.close()
 
 
 @pytest.fixture
