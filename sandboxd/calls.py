@@ -170,7 +170,12 @@ class Calls:
         forget = self.forget(session_id)
         if not forget:
             return result
-        stdout, data = forget.rendered(result.stdout, result_text, result.data)
+        if result.data is None:
+            # A sandbox tool's text (a listing's JSON lines, a file that holds JSON) is text, as its record is
+            # when a replay re-feeds it (`Forgotten.sanitize`): filtered the same way both times.
+            stdout, data = forget.text(result.stdout), None
+        else:
+            stdout, data = forget.rendered(result.stdout, result_text, result.data)
         return msgspec.structs.replace(result, stdout=stdout, stderr=forget.text(result.stderr), data=data)
 
     # Running in the sandbox --------------------------------------------------------------------
