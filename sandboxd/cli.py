@@ -90,10 +90,15 @@ def cmd_fleet_serve(args: argparse.Namespace) -> None:
     if not args.state.startswith(("postgresql://", "postgres://")):
         raise SystemExit("sandboxd fleet serve: --state must be the postgresql:// URL every node shares")
     spec = NodeSpec(state=args.state, state_root=str(Path(args.state_root).resolve()),
-                    config=str(args.config.resolve()) if args.config else "", runtime=args.runtime)
+                    config=str(args.config.resolve()) if args.config else "", runtime=args.runtime,
+                    keys_dir=str(args.fleet_keys.resolve()) if args.fleet_keys else "", port=args.node_port)
     door_dir = Path(args.state_root).resolve() / "door"
-    serve(args.ray, spec, args.endpoint or f"ipc://{door_dir / 'sandboxd.sock'}", str(door_dir),
-          cpus=args.sandbox_cpus, memory_mb=args.sandbox_memory_mb)
+    try:
+        serve(args.ray, spec, args.endpoint or f"ipc://{door_dir / 'sandboxd.sock'}", str(door_dir),
+              cpus=args.sandbox_cpus, memory_mb=args.sandbox_memory_mb,
+              door_config=str(args.door_config.resolve()) if args.door_config else "")
+    except (ValueError, RuntimeError) as exc:  # KeyFileError included: say which file or node, not a traceback
+        raise SystemExit(f"sandboxd fleet serve: {exc}") from exc
 
 
 def cmd_mcp(args: argparse.Namespace) -> None:
@@ -615,6 +620,14 @@ def parser() -> argparse.ArgumentParser:
     fleet_serve.add_argument("--state-root", required=True, help="each node's state directory is made under it")
     fleet_serve.add_argument("--endpoint", help="the door's endpoint (default: ipc socket under STATE_ROOT/door)")
     fleet_serve.add_argument("--config", type=Path, help="the TOML configuration every node's daemon reads")
+    fleet_serve.add_argument("--fleet-keys", type=Path, metavar="DIR",
+                             help="the fleet's CURVE keys (made if absent), on storage every node reads: node "
+                                  "daemons then listen on tcp://NODE_IP:PORT and admit only the door (default: "
+                                  "ipc sockets, one host only)")
+    fleet_serve.add_argument("--node-port", type=int, default=0, metavar="PORT",
+                             help="with --fleet-keys: the port node daemons bind (default: a free one each)")
+    fleet_serve.add_argument("--door-config", type=Path, metavar="FILE",
+                             help="the door's own TOML: its [auth] keys for a tcp:// --endpoint (operators only)")
     fleet_serve.add_argument("--runtime", choices=["runc", "runsc"], default="runc")
     fleet_serve.add_argument("--sandbox-cpus", type=float, default=0.5, help="Ray CPU a session holds")
     fleet_serve.add_argument("--sandbox-memory-mb", type=int, default=512, help="Ray memory a session holds")

@@ -16,14 +16,21 @@ it as to one daemon. Each request is forwarded to the node its session lives on:
   nothing it may have sent is sent again.
 - WaitEvents: asked of the node without waiting; with nothing yet, parked here and asked again every
   `POLL_S` until it has events or its wait runs out.
+
+The door reaches nodes as their endpoints say (`fleet.nodes`): ipc:// on one host, or tcp:// with
+CURVE, presenting the fleet's door key. Its own endpoint may be tcp:// too, with its own [auth]; it
+then serves operator keys only, since it does not yet keep who opened which session (every session
+a node sees is the door's), so a non-operator could act on another agent's sessions through it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,8 +40,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 
 from sandboxd import protocol as p
 from sandboxd.auth import Peer
+from sandboxd.client import Client, DaemonUnreachable
 from sandboxd.db import Database
-from sandboxd.errors import SandboxdError, SandboxUnavailable, UnknownSession
+from sandboxd.errors import SandboxdError, SandboxUnavailable, Unauthorized, UnknownSession
+from sandboxd.fleet.keys import FleetKeys
 from sandboxd.fleet.nodes import NodeSpec, alive_nodes, start_node
 from sandboxd.metrics import Counter
 
@@ -46,6 +55,8 @@ POLL_S = 0.25
 PLACEMENT_TIMEOUT_S = 60.0
 #: the longest a forwarded request may take (a tool call's own timeout is far below it)
 FORWARD_TIMEOUT_S = 900.0
+#: how long a started node's daemon has to answer the door on its endpoint (a refused CURVE key is silent)
+REACH_TIMEOUT_S = 30.0
 
 
 class _DoorMetrics:
@@ -88,6 +99,8 @@ class Fleet:
         self.actors: dict[str, Any] = {}
         self.lost: set[str] = set()
         self.groups: dict[str, PlacementGroup] = {}  # session id -> the placement group holding its resources
+        self.curve = FleetKeys(Path(spec.keys_dir)).door_curve() if spec.keys_dir else None
+        """(nodes' public key, door's public key, door's secret key): how the door connects to tcp nodes."""
         self._local = threading.local()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -99,7 +112,7 @@ class Fleet:
         for node_id in alive_nodes():
             self.actors[node_id] = start_node(self.spec, node_id)
         for node_id, actor in self.actors.items():
-            self.nodes[node_id] = ray.get(actor.info.remote(), timeout=180)["endpoint"]
+            self.nodes[node_id] = self.check_reachable(ray.get(actor.info.remote(), timeout=180))
         threading.Thread(target=self._watch, name="sandboxd-fleet-watch", daemon=True).start()
 
     def stop(self) -> None:
@@ -130,13 +143,30 @@ class Fleet:
 
     def _joined(self, node_id: str) -> None:
         try:
-            endpoint = ray.get(self.actors[node_id].info.remote(), timeout=180)["endpoint"]
+            endpoint = self.check_reachable(ray.get(self.actors[node_id].info.remote(), timeout=180))
         except Exception:
-            log.exception("the daemon of joining node %s did not start", node_id)
+            log.exception("the daemon of joining node %s did not start, or the door cannot reach it", node_id)
             return
         with self._lock:
             self.nodes[node_id] = endpoint  # only now may sessions be placed there
         log.info("node %s joined", node_id)
+
+    def check_reachable(self, info: dict[str, Any]) -> str:
+        """A started node's endpoint, once its daemon answers the door there; RuntimeError saying why not."""
+        endpoint, here = str(info["endpoint"]), os.uname().nodename
+        if endpoint.startswith("ipc://") and info["host"] != here:
+            raise RuntimeError(f"node {info['node_id']} is on host {info['host']}, the door on {here}: an ipc "
+                               "socket does not cross hosts; give the fleet a key directory (tcp with CURVE)")
+        server, public, secret = self.curve or (None, None, None)
+        probe = Client(endpoint, timeout_s=REACH_TIMEOUT_S, server_public_key=server, public_key=public,
+                       secret_key=secret)
+        try:
+            probe.health()
+        except DaemonUnreachable as exc:
+            raise RuntimeError(f"the door cannot reach node {info['node_id']}'s daemon: {exc}") from exc
+        finally:
+            probe.close()
+        return endpoint
 
     def node_lost(self, node_id: str) -> list[str]:
         """Record a node's loss: its open sessions are `lost` in the shared state; returns their ids."""
@@ -185,6 +215,11 @@ class Fleet:
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                server, public, secret = self.curve
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server.encode())
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public.encode())
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret.encode())
             sock.connect(self.nodes[node_id])
             sockets[node_id] = sock
         sock.send(p.encode(request))
@@ -202,6 +237,7 @@ class Fleet:
 
     def handle(self, request: p.Request, peer: Peer) -> p.Response:
         try:
+            self._authorize(request, peer)
             if isinstance(request, p.OpenSessionRequest):
                 return self._open(request)
             if isinstance(request, p.ListSessionsRequest):
@@ -215,6 +251,12 @@ class Fleet:
             return reply
         except SandboxdError as exc:
             return p.error_response(request.request_id, exc)
+
+    @staticmethod
+    def _authorize(request: p.Request, peer: Peer) -> None:
+        """Operators only: every session a node sees is the door's, so the nodes cannot tell agents apart."""
+        if not peer.operator:
+            raise Unauthorized(getattr(request, "session_id", None), type(request).__name__)
 
     def _open(self, request: p.OpenSessionRequest) -> p.Response:
         group, node_id = self._place()
@@ -282,6 +324,7 @@ class Fleet:
 
     def wait_events(self, request: p.WaitEventsRequest, peer: Peer) -> p.Response | None:
         try:
+            self._authorize(request, peer)
             node_id = self.node_of(request)
             now = msgspec.structs.replace(request, timeout_s=0)
             reply = self.forward(node_id or self._any_node(), now)
@@ -302,20 +345,27 @@ class Fleet:
 
 
 def serve(ray_address: str, spec: NodeSpec, endpoint: str, door_dir: str, cpus: float = 0.5,
-          memory_mb: int = 512, ready: Callable[[Fleet], None] | None = None) -> None:
+          memory_mb: int = 512, ready: Callable[[Fleet], None] | None = None, door_config: str = "") -> None:
     """`sandboxd fleet serve`: join the Ray cluster, start a daemon per node, serve until SIGTERM/SIGINT
-    (or until `ready`'s caller stops the returned server: tests run the door in a thread)."""
+    (or until `ready`'s caller stops the returned server: tests run the door in a thread).
+
+    `door_config`: the door's own TOML (its [auth], for a tcp:// `endpoint`); the nodes read `spec.config`.
+    Bad input (a bad key file or configuration) raises ValueError before anything starts."""
     import signal
 
+    from sandboxd.auth import ServerKeys
     from sandboxd.config import load_config
     from sandboxd.server import Server
 
+    if spec.keys_dir:
+        FleetKeys.ensure(Path(spec.keys_dir))
+    config = load_config(Path(door_config) if door_config else None, state_dir=door_dir, endpoint=endpoint)
+    keys = ServerKeys.load(config.auth) if config.endpoint.startswith("tcp://") else None
     if not ray.is_initialized():
         ray.init(address=ray_address, log_to_driver=False)
     fleet = Fleet(spec, cpus=cpus, memory_mb=memory_mb)
     fleet.start()
-    config = load_config(state_dir=door_dir, endpoint=endpoint)
-    server = Server(config, fleet)
+    server = Server(config, fleet, keys)
     fleet.server = server  # type: ignore[attr-defined]
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

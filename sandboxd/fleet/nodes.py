@@ -4,6 +4,16 @@ The daemon is a `sandboxd serve` child of the actor's worker process with the pa
 to SIGKILL: when Ray loses the node (its raylet and workers die), the daemon dies with it, mid-call if
 it was in one, exactly as on a machine that went away. Its sessions carry the Ray node id as their
 node (`--node-id`), which is how the front door routes them and how their loss is recorded.
+
+Where a daemon listens: with the fleet's key directory (`NodeSpec.keys_dir`, see `fleet.keys`), on
+tcp://<its Ray node's IP>:<port> with CURVE, admitting only the door, so the door reaches nodes on
+any host and a node's port is no open door into its sandboxes. Without one, on an ipc:// socket in
+its state directory: the socket's file mode is its authentication and there are no keys to hand out,
+but only a door on the same host can reach it, so the door refuses a node on another host
+(`check_reachable`). ipc stays the default because a one-host fleet (tests, a workstation, a big
+machine cut into Ray nodes) then needs no key material at all; a fleet over several hosts names a
+key directory, and is tcp+CURVE throughout. Either way the actor itself talks to its daemon on the
+daemon's ipc socket (a tcp daemon serves one for its owner too).
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sandboxd import protocol as p
 from sandboxd.client import Client, DaemonUnreachable
 from sandboxd.fleet.export import export_store, import_session
+from sandboxd.fleet.keys import FleetKeys, node_config_text
 
 _PR_SET_PDEATHSIG = 1
 
@@ -49,6 +61,11 @@ class NodeSpec:
     shared_dir: str = ""
     """Storage every node mounts: snapshots are exported there, and lost sessions re-created from it."""
     export_every_s: float = 0.5
+    keys_dir: str = ""
+    """The fleet's key directory (`fleet.keys`), on storage every node reads: given, daemons listen on tcp://
+    with CURVE; empty, on ipc:// sockets, which only a door on the same host can reach."""
+    port: int = 0
+    """tcp: the port every daemon binds on its node's IP (0: a free one each, as two Ray nodes may share a host)."""
 
 
 class NodeDaemon:
@@ -58,19 +75,28 @@ class NodeDaemon:
         self.node_id = node_id
         self.state_dir = Path(spec.state_root) / node_id[:16]
         self.state_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.endpoint = f"ipc://{self.state_dir / 'sandboxd.sock'}"
+        self.local = f"ipc://{self.state_dir / 'sandboxd.sock'}"
+        self.endpoint, config = self.local, spec.config
+        if spec.keys_dir:
+            ip = ray.util.get_node_ip_address()
+            host = f"[{ip}]" if ":" in ip else ip
+            self.endpoint = f"tcp://{host}:{spec.port or _free_port(ip)}"
+            config = str(self.state_dir.parent / f"{node_id[:16]}.toml")
+            user = Path(spec.config) if spec.config else None
+            Path(config).write_text(node_config_text(user, FleetKeys(Path(spec.keys_dir))))
         argv = [sys.executable, "-m", "sandboxd.cli", "serve", "--state-dir", str(self.state_dir),
-                "--state", spec.state, "--node-id", node_id, "--runtime", spec.runtime]
-        if spec.config:
-            argv += ["--config", spec.config]
-        log = open(self.state_dir.parent / f"{node_id[:16]}.stderr", "ab")  # noqa: SIM115  (the child's)
+                "--state", spec.state, "--node-id", node_id, "--runtime", spec.runtime, "--endpoint", self.endpoint]
+        if config:
+            argv += ["--config", config]
+        stderr = self.state_dir.parent / f"{node_id[:16]}.stderr"
+        log = open(stderr, "ab")  # noqa: SIM115  (the child's)
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon of node {node_id} exited with {self.proc.returncode}")
+                raise RuntimeError(f"the daemon of node {node_id} exited with {self.proc.returncode}; see {stderr}")
             try:
-                with Client(self.endpoint, timeout_s=0.5) as probe:
+                with Client(self.local, timeout_s=0.5) as probe:
                     probe.health()
                 self._start_export(spec)
                 return
@@ -99,7 +125,7 @@ class NodeDaemon:
         if self.shared is None:
             raise RuntimeError("no shared directory: nothing was exported to re-create a session from")
         import_session(self.shared, self.state_dir / "snapshots" / "layers", session_id)
-        with Client(self.endpoint, timeout_s=300) as client:
+        with Client(self.local, timeout_s=300) as client:
             reply = client.send_raw(p.encode(p.AdoptSessionRequest(request_id=uuid.uuid4().hex,
                                                                    session_id=session_id)))
         return msgspec.to_builtins(reply)
@@ -112,6 +138,15 @@ class NodeDaemon:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=60)
+
+
+def _free_port(ip: str) -> int:
+    """A port free on `ip` now; the daemon binds it a moment later (a race another binder could win: the
+    daemon then fails to start, and says so)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((ip, 0))
+        return int(probe.getsockname()[1])
 
 
 def start_node(spec: NodeSpec, node_id: str) -> Any:

@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,33 @@ def smtp() -> Iterator[SlowSmtpSink]:
     sink.close()
 
 
+@contextmanager
+def door_on(cluster: Any, spec: Any, endpoint: str, root: Path, **options: Any) -> Iterator[Any]:
+    """The door of `spec` on `cluster`, serving `endpoint` from a thread; after: the door stopped, and every
+    node's daemon and sandboxes gone (the lost nodes' too: they outlived them on the shared engine)."""
+    from sandboxd.fleet.door import Fleet, serve
+
+    started: list[Fleet] = []
+    ready = threading.Event()
+    ray.init(address=cluster.address, log_to_driver=False)
+    door = threading.Thread(target=serve, args=(cluster.address, spec, endpoint, str(root / "door")),
+                            kwargs={**options, "ready": lambda f: (started.append(f), ready.set())}, daemon=True)
+    door.start()
+    try:
+        assert ready.wait(300), "the fleet did not start"
+        yield started[0]
+    finally:
+        if started:
+            started[0].server.stop()
+        door.join(180)
+        for state_dir in Path(spec.state_root).iterdir() if Path(spec.state_root).exists() else []:
+            if state_dir.is_dir():
+                DaemonProcess(state_dir).shutdown()
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def fleet(pg_server: Any, smtp: SlowSmtpSink) -> Iterator[dict[str, Any]]:
-    from sandboxd.fleet.door import Fleet, serve
     from sandboxd.fleet.nodes import NodeSpec
 
     system = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
@@ -56,24 +81,11 @@ def fleet(pg_server: Any, smtp: SlowSmtpSink) -> Iterator[dict[str, Any]]:
     url = pg_server.fresh_url()
     spec = NodeSpec(state=url, state_root=str(root / "nodes"), config=str(config), shared_dir=str(root / "shared"))
     endpoint = f"ipc://{root / 'door.sock'}"
-    started: list[Fleet] = []
-    ready = threading.Event()
-    ray.init(address=cluster.address, log_to_driver=False)
-    door = threading.Thread(target=serve, args=(cluster.address, spec, endpoint, str(root / "door")),
-                            kwargs={"cpus": 0.5, "memory_mb": 64,
-                                    "ready": lambda f: (started.append(f), ready.set())}, daemon=True)
-    door.start()
-    assert ready.wait(300), "the fleet did not start"
     try:
-        yield {"cluster": cluster, "workers": workers, "endpoint": endpoint, "url": url, "door": started[0],
-               "shared": root / "shared"}
+        with door_on(cluster, spec, endpoint, root, cpus=0.5, memory_mb=64) as door:
+            yield {"cluster": cluster, "workers": workers, "endpoint": endpoint, "url": url, "door": door,
+                   "shared": root / "shared"}
     finally:
-        started[0].server.stop()
-        door.join(180)
-        for state_dir in (root / "nodes").iterdir():
-            if state_dir.is_dir():  # the lost node's sandboxes too: they outlived it on the shared engine
-                DaemonProcess(state_dir).shutdown()
-        ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
 

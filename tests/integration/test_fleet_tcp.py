@@ -1,0 +1,105 @@
+"""A fleet on tcp:// with CURVE throughout, on a 2-node Ray cluster: nodes with the fleet's key directory,
+the door with its own [auth].
+
+Both Ray nodes run on this machine, but the door reaches their daemons only as it would on other hosts:
+on tcp://<the Ray node's IP>:<port>, presenting the fleet's door key. A client without an admitted key
+gets nothing from a node's port. The door serves operator keys only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandboxd.auth import generate_keys, read_public_key, read_secret_key
+from sandboxd.client import Client, DaemonUnreachable, RemoteError
+from sandboxd.db import Database
+from sandboxd.errors import ErrorCode
+from tests.integration.test_fleet_ray import door_on
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+pytestmark = pytest.mark.docker
+
+#: two sandboxes fit a 1-CPU node, a third does not: four sessions fill both nodes, two each
+SANDBOX_CPUS = 0.4
+
+
+@pytest.fixture(scope="module")
+def tcp_fleet(pg_server: Any) -> Iterator[dict[str, Any]]:
+    from sandboxd.fleet.nodes import NodeSpec
+
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    root = Path(tempfile.mkdtemp(prefix="sandboxd-fleet-tcp-"))
+    url = pg_server.fresh_url()
+    spec = NodeSpec(state=url, state_root=str(root / "nodes"), keys_dir=str(root / "keys"))
+    for name in ("door-server", "operator"):
+        generate_keys(root / "door-keys", name)
+    generate_keys(root / "door-keys" / "clients", "agent")
+    door_config = root / "door.toml"
+    door_config.write_text('[auth]\nserver_secret_key_file = "door-keys/door-server.key_secret"\n'
+                           'client_keys_dir = "door-keys/clients"\noperator_keys = ["door-keys/operator.key"]\n')
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    try:
+        with door_on(cluster, spec, endpoint, root, cpus=SANDBOX_CPUS, memory_mb=64,
+                     door_config=str(door_config)) as door:
+            yield {"endpoint": endpoint, "url": url, "door": door, "keys": root / "keys",
+                   "door_keys": root / "door-keys"}
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_nodes_on_tcp_answer_the_door_only(tcp_fleet: dict[str, Any]) -> None:
+    door, keys = tcp_fleet["door"], tcp_fleet["keys"]
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    assert len(door.nodes) == 2
+    for node_id, endpoint in door.nodes.items():  # on the Ray node's own IP, each its own port
+        assert endpoint.startswith(f"tcp://{ips[node_id]}:"), endpoint
+    assert len(set(door.nodes.values())) == 2
+
+    door_keys = tcp_fleet["door_keys"]
+    agent = Client.with_key_files(tcp_fleet["endpoint"], door_keys / "door-server.key",
+                                  door_keys / "clients" / "agent.key_secret", timeout_s=30)
+    with pytest.raises(RemoteError) as refused, agent:  # admitted, but the door cannot tell its sessions apart
+        agent.open_session()
+    assert refused.value.code == ErrorCode.UNAUTHORIZED
+    client = Client.with_key_files(tcp_fleet["endpoint"], door_keys / "door-server.key",
+                                   door_keys / "operator.key_secret", timeout_s=120)
+    state = Database(tcp_fleet["url"])
+    sessions = [client.open_session().session_id for _ in range(4)]
+    placed = {sid: state.value("SELECT node FROM sessions WHERE session_id = ?", [sid]) for sid in sessions}
+    assert sorted(list(placed.values()).count(n) for n in door.nodes) == [2, 2], placed
+    for sid in sessions:  # answered through the door, over tcp+CURVE, by the node it was placed on
+        client.call(sid, "write_file", {"path": "where.txt", "content": sid})
+        assert client.call(sid, "read_file", {"path": "where.txt"}).stdout == sid
+
+    # A node's port admits the door's key and nothing else: no key, or a key not in the allowlist, gets no
+    # answer at all (a CURVE refusal is silent), so the port is no way into its sandboxes.
+    node, endpoint = next(iter(door.nodes.items()))
+    node_key = read_public_key(keys / "node.key")
+    generate_keys(keys.parent / "rogue", "rogue")
+    rogue_public, rogue_secret = read_secret_key(keys.parent / "rogue" / "rogue.key_secret")
+    for stranger in (Client(endpoint, timeout_s=3),
+                     Client(endpoint, timeout_s=3, server_public_key=node_key, public_key=rogue_public,
+                            secret_key=rogue_secret)):
+        with pytest.raises(DaemonUnreachable), stranger:
+            stranger.sessions()
+    door_public, door_secret = read_secret_key(keys / "door.key_secret")
+    with Client(endpoint, timeout_s=30, server_public_key=node_key, public_key=door_public,
+                secret_key=door_secret) as as_door:
+        # The same port, the right key: answered, as an operator (it lists sessions it did not open itself).
+        assert {s.session_id for s in as_door.sessions()} == {sid for sid, at in placed.items() if at == node}
+    state.close()
+    client.close()
