@@ -6,6 +6,10 @@ it as to one daemon. Each request is forwarded to the node its session lives on:
 - OpenSession: Ray's scheduler places the session, a placement group of one bundle holding the
   sandbox's CPU and memory (`[sandbox]` cpus and memory_mb), kept until the session closes; the
   session is opened by the daemon of the node Ray chose.
+- Fork: the fork's sandbox runs on its parent's node, so its bundle is reserved there first (a group
+  pinned to that node, `fleet.placement`); with no room there within PLACEMENT_TIMEOUT_S the fork is
+  refused before it exists, rather than made outside Ray's accounting (where Ray would keep placing
+  sessions on a node it believes has room). Closing the fork releases the group.
 - A request naming a session goes to the node in the session's row (the `node` column the node's
   daemon stamped); one naming a call or a revocation goes to its session's node; ListSessions asks
   every node; the rest (Health, ListTools, operators' ledger views over the shared database) any node.
@@ -36,7 +40,7 @@ from typing import Any
 import msgspec
 import ray
 import zmq
-from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from sandboxd import protocol as p
 from sandboxd.auth import Peer
@@ -45,14 +49,13 @@ from sandboxd.db import Database
 from sandboxd.errors import SandboxdError, SandboxUnavailable, Unauthorized, UnknownSession
 from sandboxd.fleet.keys import FleetKeys
 from sandboxd.fleet.nodes import NodeSpec, alive_nodes, start_node
+from sandboxd.fleet.placement import Placements
 from sandboxd.metrics import Counter
 
 log = logging.getLogger("sandboxd.fleet")
 
 #: how often the door checks Ray for dead nodes, and re-asks nodes for a parked waiter's events
 POLL_S = 0.25
-#: how long a new session may wait for Ray to find room for its sandbox
-PLACEMENT_TIMEOUT_S = 60.0
 #: the longest a forwarded request may take (a tool call's own timeout is far below it)
 FORWARD_TIMEOUT_S = 900.0
 #: how long a started node's daemon has to answer the door on its endpoint (a refused CURVE key is silent)
@@ -91,14 +94,13 @@ class Fleet:
 
     def __init__(self, spec: NodeSpec, cpus: float = 0.5, memory_mb: int = 512) -> None:
         self.spec = spec
-        self.bundle = {"CPU": cpus, "memory": memory_mb * 1024 * 1024}
+        self.placements = Placements(cpus, memory_mb)
         self.db = Database(spec.state)
         self.metrics = _DoorMetrics()
         self.events = _Parking()
         self.nodes: dict[str, str] = {}  # node id -> its daemon's endpoint
         self.actors: dict[str, Any] = {}
         self.lost: set[str] = set()
-        self.groups: dict[str, PlacementGroup] = {}  # session id -> the placement group holding its resources
         self.curve = FleetKeys(Path(spec.keys_dir)).door_curve() if spec.keys_dir else None
         """(nodes' public key, door's public key, door's secret key): how the door connects to tcp nodes."""
         self._local = threading.local()
@@ -123,8 +125,7 @@ class Fleet:
                     ray.get(actor.stop.remote(), timeout=120)
                 except Exception as exc:  # a node going away while we stop is not an error of ours
                     log.warning("stopping the daemon of %s: %s", node_id, exc)
-        for group in self.groups.values():
-            remove_placement_group(group)
+        self.placements.release_all()
         self.db.close()
 
     def _watch(self) -> None:
@@ -179,7 +180,7 @@ class Fleet:
                             [node_id])
         lost = [r["session_id"] for r in rows]
         for session_id in lost:  # what they held went with the node; Ray must not hold it elsewhere for them
-            self._release(session_id)
+            self.placements.release(session_id)
         log.warning("node %s is lost, and with it sessions %s", node_id, lost)
         return lost
 
@@ -244,10 +245,12 @@ class Fleet:
                 return self._list(request)
             if isinstance(request, p.AdoptSessionRequest):
                 return self._adopt(request)
+            if isinstance(request, p.ForkRequest):
+                return self._fork(request)
             node_id = self.node_of(request)
             reply = self.forward(node_id or self._any_node(), request)
             if isinstance(request, p.CloseSessionRequest) and not isinstance(reply, p.ErrorResponse):
-                self._release(request.session_id)
+                self.placements.release(request.session_id)
             return reply
         except SandboxdError as exc:
             return p.error_response(request.request_id, exc)
@@ -260,10 +263,18 @@ class Fleet:
 
     def _open(self, request: p.OpenSessionRequest) -> p.Response:
         group, node_id = self._place()
-        reply = self.forward(node_id, request)
-        if isinstance(reply, p.OpenSessionResponse):
-            with self._lock:
-                self.groups[reply.session.session_id] = group
+        return self._holding(group, node_id, request)
+
+    def _holding(self, group: PlacementGroup, node_id: str, request: p.OpenSessionRequest | p.ForkRequest
+                 ) -> p.Response:
+        """Forward a request that makes a session: `group` is kept for the new session, or removed if none was made."""
+        try:
+            reply = self.forward(node_id, request)
+        except BaseException:
+            remove_placement_group(group)
+            raise
+        if isinstance(reply, p.OpenSessionResponse | p.ForkResponse):
+            self.placements.keep(reply.session.session_id, group)
         else:
             remove_placement_group(group)
         return reply
@@ -285,31 +296,25 @@ class Fleet:
                                      session_id=request.session_id) from exc
         reply = msgspec.convert({**answer, "request_id": request.request_id}, p.Response)
         if isinstance(reply, p.AdoptSessionResponse):
-            with self._lock:
-                self.groups[request.session_id] = group
+            self.placements.keep(request.session_id, group)
         else:
             remove_placement_group(group)
         return reply
 
-    def _place(self) -> tuple[PlacementGroup, str]:
-        """A placement group holding one sandbox's resources, on the node Ray chose (which has a daemon)."""
-        group = placement_group([dict(self.bundle)], strategy="STRICT_PACK")
-        try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except Exception as exc:
-            remove_placement_group(group)
-            raise SandboxUnavailable(f"no node has room for a sandbox of {self.bundle} ({exc})") from exc
-        node_id = placement_group_table(group)["bundles_to_node_id"][0]
+    def _fork(self, request: p.ForkRequest) -> p.Response:
+        """The fork's bundle reserved on its parent's node first, then the fork made there."""
+        node_id = self.node_of(request)
+        assert node_id is not None  # a ForkRequest names its session
+        group, _ = self._place(on=node_id)
+        return self._holding(group, node_id, request)
+
+    def _place(self, on: str | None = None) -> tuple[PlacementGroup, str]:
+        """A placement group holding one sandbox's resources, on the node Ray chose (or `on`), which has a daemon."""
+        group, node_id = self.placements.reserve(on)
         if node_id not in self.nodes or node_id in self.lost:
             remove_placement_group(group)
             raise SandboxUnavailable(f"Ray placed the session on node {node_id}, which has no daemon")
         return group, node_id
-
-    def _release(self, session_id: str) -> None:
-        with self._lock:
-            group = self.groups.pop(session_id, None)
-        if group is not None:
-            remove_placement_group(group)
 
     def _list(self, request: p.ListSessionsRequest) -> p.Response:
         sessions: list[p.SessionInfo] = []

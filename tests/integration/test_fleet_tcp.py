@@ -3,7 +3,8 @@ the door with its own [auth].
 
 Both Ray nodes run on this machine, but the door reaches their daemons only as it would on other hosts:
 on tcp://<the Ray node's IP>:<port>, presenting the fleet's door key. A client without an admitted key
-gets nothing from a node's port. The door serves operator keys only.
+gets nothing from a node's port. The door serves operator keys only. Forks through the door hold a
+placement group on their parent's node, and are refused, before they exist, when that node has no room.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from sandboxd import protocol as p
 from sandboxd.auth import generate_keys, read_public_key, read_secret_key
 from sandboxd.client import Client, DaemonUnreachable, RemoteError
 from sandboxd.db import Database
@@ -61,7 +63,12 @@ def tcp_fleet(pg_server: Any) -> Iterator[dict[str, Any]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_nodes_on_tcp_answer_the_door_only(tcp_fleet: dict[str, Any]) -> None:
+def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.util.placement_group import placement_group_table
+
+    from sandboxd.fleet import placement
+
     door, keys = tcp_fleet["door"], tcp_fleet["keys"]
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     assert len(door.nodes) == 2
@@ -101,5 +108,28 @@ def test_nodes_on_tcp_answer_the_door_only(tcp_fleet: dict[str, Any]) -> None:
                 secret_key=door_secret) as as_door:
         # The same port, the right key: answered, as an operator (it lists sessions it did not open itself).
         assert {s.session_id for s in as_door.sessions()} == {sid for sid, at in placed.items() if at == node}
+
+    # A fork holds a group on its parent's node; with no room there it is refused before it exists.
+    parent = next(sid for sid in sessions if placed[sid] == node)
+    client.checkpoint(parent, p.CheckpointRecord(checkpoint_id="cp-start", step=0, turn=0, token_offset=0,
+                                                 cache_handle="local:0", reason="start"))
+    monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 3.0)  # the node is full: no need to wait a minute
+    with pytest.raises(RemoteError) as full:
+        client.fork(parent, "cp-start")
+    assert full.value.code == ErrorCode.SANDBOX_UNAVAILABLE and full.value.details["node"] == node
+    assert state.value("SELECT COUNT(*) FROM sessions") == 4  # no fork was made
+    assert set(door.placements.groups) == set(sessions)
+    neighbour = next(sid for sid in sessions if sid != parent and placed[sid] == node)
+    client.close_session(neighbour)  # room on the parent's node
+    monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 60.0)
+    fork = client.fork(parent, "cp-start")["session_id"]
+    assert state.value("SELECT node FROM sessions WHERE session_id = ?", [fork]) == node
+    assert client.call(fork, "read_file", {"path": "where.txt"}).stdout == parent  # the parent's files, there
+    held = placement_group_table(door.placements.groups[fork])
+    assert held["state"] == "CREATED" and held["bundles_to_node_id"][0] == node
+    assert held["bundles"][0]["CPU"] == SANDBOX_CPUS
+    group = door.placements.groups[fork]
+    client.close_session(fork)
+    assert fork not in door.placements.groups and placement_group_table(group)["state"] == "REMOVED"
     state.close()
     client.close()
