@@ -91,6 +91,7 @@ def cmd_fleet_serve(args: argparse.Namespace) -> None:
         raise SystemExit("sandboxd fleet serve: --state must be the postgresql:// URL every node shares")
     spec = NodeSpec(state=args.state, state_root=str(Path(args.state_root).resolve()),
                     config=str(args.config.resolve()) if args.config else "", runtime=args.runtime,
+                    shared_dir=str(args.shared_dir.resolve()) if args.shared_dir else "",
                     keys_dir=str(args.fleet_keys.resolve()) if args.fleet_keys else "", port=args.node_port)
     door_dir = Path(args.state_root).resolve() / "door"
     try:
@@ -620,6 +621,8 @@ def parser() -> argparse.ArgumentParser:
     fleet_serve.add_argument("--state-root", required=True, help="each node's state directory is made under it")
     fleet_serve.add_argument("--endpoint", help="the door's endpoint (default: ipc socket under STATE_ROOT/door)")
     fleet_serve.add_argument("--config", type=Path, help="the TOML configuration every node's daemon reads")
+    fleet_serve.add_argument("--shared-dir", type=Path, help="storage every node mounts: snapshots are exported "
+                             "there, and lost sessions re-created from it (overlay backend only)")
     fleet_serve.add_argument("--fleet-keys", type=Path, metavar="DIR",
                              help="the fleet's CURVE keys (made if absent), on storage every node reads: node "
                                   "daemons then listen on tcp://NODE_IP:PORT and admit only the door (default: "

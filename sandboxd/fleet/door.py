@@ -355,13 +355,15 @@ def serve(ray_address: str, spec: NodeSpec, endpoint: str, door_dir: str, cpus: 
     (or until `ready`'s caller stops the returned server: tests run the door in a thread).
 
     `door_config`: the door's own TOML (its [auth], for a tcp:// `endpoint`); the nodes read `spec.config`.
-    Bad input (a bad key file or configuration) raises ValueError before anything starts."""
+    Bad input (a spec `NodeSpec.check` refuses, a bad key file or configuration) raises ValueError before
+    anything starts."""
     import signal
 
     from sandboxd.auth import ServerKeys
     from sandboxd.config import load_config
     from sandboxd.server import Server
 
+    spec.check()
     if spec.keys_dir:
         FleetKeys.ensure(Path(spec.keys_dir))
     config = load_config(Path(door_config) if door_config else None, state_dir=door_dir, endpoint=endpoint)

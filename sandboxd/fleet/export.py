@@ -9,7 +9,10 @@ node dying mid-copy leaves no half layer.
 
 Importing on another node writes the newest exported snapshot's layers, its record and a stack of it
 into that node's store, in the store's own layout; the daemon's recovery (`Sessions.adopt`) mounts it.
-Only the overlay backend is exported (the copy backend keeps whole trees, not layers).
+Only the overlay backend is exported (the copy backend keeps whole trees, not layers): a fleet with a
+shared directory refuses a configuration naming the copy backend at start (`NodeSpec.check`), rather
+than serve sessions it could not re-create. Exporting copy trees incrementally (hard links to the last
+exported tree for unchanged files) would lift that; it is not written.
 """
 
 from __future__ import annotations

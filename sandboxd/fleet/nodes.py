@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sandboxd import protocol as p
 from sandboxd.client import Client, DaemonUnreachable
+from sandboxd.config import load_config
 from sandboxd.fleet.export import export_store, import_session
 from sandboxd.fleet.keys import FleetKeys, node_config_text
 
@@ -66,6 +67,20 @@ class NodeSpec:
     with CURVE; empty, on ipc:// sockets, which only a door on the same host can reach."""
     port: int = 0
     """tcp: the port every daemon binds on its node's IP (0: a free one each, as two Ray nodes may share a host)."""
+
+    def check(self) -> None:
+        """Refuse, with the reason, a spec whose daemons could not do what the fleet promises; ValueError."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is not a TCP port")
+        if self.port and not self.keys_dir:
+            raise ValueError("a node port is for tcp nodes: give the fleet's key directory too")
+        config = load_config(Path(self.config) if self.config else None)
+        if self.shared_dir and config.snapshot_backend != "overlay":
+            # The copy backend keeps whole trees, not immutable layers, so `export_store` has nothing it can
+            # copy incrementally: its sessions could not be re-created after a loss, whatever the README says.
+            raise ValueError(f"{self.config} sets snapshot_backend = {config.snapshot_backend!r}: a fleet with "
+                             "a shared directory exports overlay snapshots only; use the overlay backend, or "
+                             "run without a shared directory (lost sessions are then not re-created)")
 
 
 class NodeDaemon:

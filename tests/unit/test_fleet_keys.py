@@ -1,8 +1,10 @@
-"""The fleet's key directory, the node daemons' merged configuration."""
+"""The fleet's key directory, the node daemons' merged configuration, and the specs the fleet refuses."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from sandboxd.config import load_config
 pytest.importorskip("ray")
 
 from sandboxd.fleet.keys import FleetKeys, node_config_text  # noqa: E402  (the fleet extra)
+from sandboxd.fleet.nodes import NodeSpec  # noqa: E402
 
 
 def test_keys_are_made_once_and_kept(tmp_path: Path) -> None:
@@ -71,3 +74,25 @@ def test_without_a_config_a_node_still_gets_the_fleets_auth(tmp_path: Path) -> N
     config = load_config(merged, state_dir=str(tmp_path / "state"), endpoint="tcp://127.0.0.1:5555")
     assert config.auth.operator_keys == [str(keys.door_public)]
 
+
+def test_the_copy_backend_with_a_shared_dir_is_refused(tmp_path: Path) -> None:
+    copy = tmp_path / "copy.toml"
+    copy.write_text('snapshot_backend = "copy"\n')
+    with pytest.raises(ValueError, match="exports overlay snapshots only"):
+        NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), config=str(copy),
+                 shared_dir=str(tmp_path / "shared")).check()
+    NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), config=str(copy)).check()  # nothing exported
+    with pytest.raises(ValueError, match="give the fleet's key directory"):
+        NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), port=7000).check()
+
+
+def test_fleet_serve_refuses_the_copy_backend_before_joining_ray(tmp_path: Path) -> None:
+    copy = tmp_path / "copy.toml"
+    copy.write_text('snapshot_backend = "copy"\n')
+    done = subprocess.run([sys.executable, "-m", "sandboxd.cli", "fleet", "serve", "--ray", "127.0.0.1:1",
+                           "--state", "postgresql://x@127.0.0.1:1/z", "--state-root", str(tmp_path / "nodes"),
+                           "--config", str(copy), "--shared-dir", str(tmp_path / "shared")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "sandboxd fleet serve:" in done.stderr and "exports overlay snapshots only" in done.stderr
+    assert "Traceback" not in done.stderr
