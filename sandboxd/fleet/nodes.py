@@ -76,8 +76,8 @@ class NodeSpec:
             raise ValueError("a node port is for tcp nodes: give the fleet's key directory too")
         config = load_config(Path(self.config) if self.config else None)
         if self.shared_dir and config.snapshot_backend != "overlay":
-            # The copy backend keeps whole trees, not immutable layers, so `export_store` has nothing it can
-            # copy incrementally: its sessions could not be re-created after a loss, whatever the README says.
+            # The copy backend keeps whole trees, not immutable layers, so `export_store` finds nothing to
+            # export: refused here, rather than a fleet that looks recoverable and re-creates nothing.
             raise ValueError(f"{self.config} sets snapshot_backend = {config.snapshot_backend!r}: a fleet with "
                              "a shared directory exports overlay snapshots only; use the overlay backend, or "
                              "run without a shared directory (lost sessions are then not re-created)")
