@@ -8,8 +8,11 @@ Docker engine. So the node counts measure the fleet's own overhead and routing, 
 on one machine more nodes cannot add cores. The workload: every session writes a file once, then each
 of its `--calls` calls reads it back (`read_file`, a real exec in its sandbox), all sessions at once.
 
-Run: `.venv/bin/python -m benchmarks.bench_fleet [--sessions 16 64] [--calls 5] [--nodes 3]`
-(needs the tool image, `make postgres` and the `fleet` extra).
+With `--tcp` the node daemons listen on tcp:// with CURVE (a fleet key directory), as on several hosts,
+and the straight-to-the-nodes run connects with the door's key: the cost of tcp+CURVE over ipc.
+
+Run: `.venv/bin/python -m benchmarks.bench_fleet [--sessions 16 64] [--calls 5] [--nodes 3] [--tcp]
+[--no-baseline]` (needs the tool image, `make postgres` and the `fleet` extra).
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ from sandboxd.launcher import DaemonProcess
 from tests.pgserver import PgServer
 
 
-def workload(endpoint_of: Callable[[str], str], sessions: list[str], calls: int) -> tuple[list[float], float]:
+def workload(endpoint_of: Callable[[str], str], sessions: list[str], calls: int,
+             connect: Callable[[str], Client] = lambda endpoint: Client(endpoint, timeout_s=300),
+             ) -> tuple[list[float], float]:
     samples: list[float] = []
     lock = threading.Lock()
 
     def one(sid: str) -> None:
-        with Client(endpoint_of(sid), timeout_s=300) as client:
+        with connect(endpoint_of(sid)) as client:
             for _ in range(calls):
                 start = time.perf_counter()
                 client.call(sid, "read_file", {"path": "f.txt"})
@@ -80,6 +85,13 @@ def close_sessions(endpoint: str, sessions: list[str]) -> None:
             client.close_session(sid)
 
 
+def node_client(fleet: Fleet) -> Callable[[str], Client]:
+    """How to reach a node's daemon as the door does: with the door's CURVE key on tcp nodes."""
+    server, public, secret = fleet.curve or (None, None, None)
+    return lambda endpoint: Client(endpoint, timeout_s=300, server_public_key=server, public_key=public,
+                                   secret_key=secret)
+
+
 def row(name: str, samples: list[float], rate: float) -> None:
     cuts = statistics.quantiles(samples, n=100, method="inclusive")
     print(f"{name:44} {len(samples):>6} {rate:>8.1f} {cuts[49] * 1e3:>8.1f} {cuts[98] * 1e3:>8.1f}", flush=True)
@@ -90,6 +102,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--calls", type=int, default=5, help="calls per session")
     parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--tcp", action="store_true", help="node daemons on tcp:// with CURVE (a fleet key directory)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the one-daemon SQLite/PostgreSQL runs")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     server = PgServer()
@@ -98,7 +112,7 @@ def main() -> None:
     ready = threading.Event()
     door_endpoint = f"ipc://{root / 'door.sock'}"
     url = server.fresh_url()
-    spec = NodeSpec(state=url, state_root=str(root / "nodes"))
+    spec = NodeSpec(state=url, state_root=str(root / "nodes"), keys_dir=str(root / "keys") if args.tcp else "")
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         threading.Thread(target=serve, args=(cluster.address, spec, door_endpoint, str(root / "door")),
@@ -121,13 +135,15 @@ def main() -> None:
                 if k == args.nodes and n == args.sessions[0]:
                     def direct(sid: str) -> str:
                         return fleet.nodes[str(state.value("SELECT node FROM sessions WHERE session_id = ?", [sid]))]
-                    samples, rate = workload(direct, sessions, args.calls)
-                    row(f"straight to the nodes, {k} nodes, {n} sessions", samples, rate)
+                    samples, rate = workload(direct, sessions, args.calls, connect=node_client(fleet))
+                    row(f"straight to the nodes, {k} node(s), {n} sessions", samples, rate)
                 close_sessions(door_endpoint, sessions)
         state.close()
         fleet.server.stop()  # type: ignore[attr-defined]
         n = args.sessions[0]
-        for name, extra in (("one daemon, SQLite", []), ("one daemon, PostgreSQL", ["--state", server.fresh_url()])):
+        baselines: list[tuple[str, list[str]]] = [("one daemon, SQLite", []),
+                                                  ("one daemon, PostgreSQL", ["--state", server.fresh_url()])]
+        for name, extra in [] if args.no_baseline else baselines:
             daemon = DaemonProcess(root / name.replace(" ", "-").replace(",", "") / "state", extra)
             daemon.start()
             try:
