@@ -622,7 +622,7 @@ def parser() -> argparse.ArgumentParser:
     fleet_serve.add_argument("--endpoint", help="the door's endpoint (default: ipc socket under STATE_ROOT/door)")
     fleet_serve.add_argument("--config", type=Path, help="the TOML configuration every node's daemon reads")
     fleet_serve.add_argument("--shared-dir", type=Path, help="storage every node mounts: snapshots are exported "
-                             "there, and lost sessions re-created from it (overlay backend only)")
+                             "there, and lost sessions re-created from it")
     fleet_serve.add_argument("--fleet-keys", type=Path, metavar="DIR",
                              help="the fleet's CURVE keys (made if absent), on storage every node reads: node "
                                   "daemons then listen on tcp://NODE_IP:PORT and admit only the door (default: "

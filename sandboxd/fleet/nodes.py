@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sandboxd import protocol as p
 from sandboxd.client import Client, DaemonUnreachable
 from sandboxd.config import load_config
-from sandboxd.fleet.export import export_store, import_session
+from sandboxd.fleet.export import export_copies, export_store, import_copy_session, import_session
 from sandboxd.fleet.keys import FleetKeys, node_config_text
 
 _PR_SET_PDEATHSIG = 1
@@ -74,13 +74,7 @@ class NodeSpec:
             raise ValueError(f"port {self.port} is not a TCP port")
         if self.port and not self.keys_dir:
             raise ValueError("a node port is for tcp nodes: give the fleet's key directory too")
-        config = load_config(Path(self.config) if self.config else None)
-        if self.shared_dir and config.snapshot_backend != "overlay":
-            # The copy backend keeps whole trees, not immutable layers, so `export_store` finds nothing to
-            # export: refused here, rather than a fleet that looks recoverable and re-creates nothing.
-            raise ValueError(f"{self.config} sets snapshot_backend = {config.snapshot_backend!r}: a fleet with "
-                             "a shared directory exports overlay snapshots only; use the overlay backend, or "
-                             "run without a shared directory (lost sessions are then not re-created)")
+        load_config(Path(self.config) if self.config else None)  # a bad file stops the door, not every node
 
 
 class NodeDaemon:
@@ -103,6 +97,8 @@ class NodeDaemon:
                 "--state", spec.state, "--node-id", node_id, "--runtime", spec.runtime, "--endpoint", self.endpoint]
         if config:
             argv += ["--config", config]
+        self.backend = load_config(Path(config) if config else None, state_dir=str(self.state_dir),
+                                   endpoint=self.endpoint).snapshot_backend
         stderr = self.state_dir.parent / f"{node_id[:16]}.stderr"
         log = open(stderr, "ab")  # noqa: SIM115  (the child's)
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, preexec_fn=_die_with_parent)
@@ -129,7 +125,10 @@ class NodeDaemon:
         assert self.shared is not None
         while self.proc.poll() is None:
             try:
-                export_store(self.state_dir / "snapshots" / "layers", self.shared)
+                if self.backend == "copy":
+                    export_copies(self.state_dir / "snapshots" / "copies", self.shared)
+                else:
+                    export_store(self.state_dir / "snapshots" / "layers", self.shared)
             except (OSError, subprocess.CalledProcessError, ValueError) as exc:  # next round tries again
                 print(f"export from {self.node_id}: {exc}", file=sys.stderr)
             time.sleep(every_s)
@@ -139,7 +138,10 @@ class NodeDaemon:
         serve it; returns the daemon's answer (an AdoptSessionResponse or ErrorResponse, as builtins)."""
         if self.shared is None:
             raise RuntimeError("no shared directory: nothing was exported to re-create a session from")
-        import_session(self.shared, self.state_dir / "snapshots" / "layers", session_id)
+        if self.backend == "copy":
+            import_copy_session(self.shared, self.state_dir / "snapshots", session_id)
+        else:
+            import_session(self.shared, self.state_dir / "snapshots" / "layers", session_id)
         with Client(self.local, timeout_s=300) as client:
             reply = client.send_raw(p.encode(p.AdoptSessionRequest(request_id=uuid.uuid4().hex,
                                                                    session_id=session_id)))

@@ -5,6 +5,8 @@ Both Ray nodes run on this machine, but the door reaches their daemons only as i
 on tcp://<the Ray node's IP>:<port>, presenting the fleet's door key. A client without an admitted key
 gets nothing from a node's port. The door serves operator keys only. Forks through the door hold a
 placement group on their parent's node, and are refused, before they exist, when that node has no room.
+The nodes use the copy snapshot backend: a session lost with its node is re-created on the other from
+its last export, whose unchanged files were hard links to the export before it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from sandboxd.auth import generate_keys, read_public_key, read_secret_key
 from sandboxd.client import Client, DaemonUnreachable, RemoteError
 from sandboxd.db import Database
 from sandboxd.errors import ErrorCode
+from sandboxd.fleet.export import last_exported
 from tests.integration.test_fleet_ray import door_on
 
 ray = pytest.importorskip("ray")
@@ -38,12 +42,17 @@ SANDBOX_CPUS = 0.4
 def tcp_fleet(pg_server: Any) -> Iterator[dict[str, Any]]:
     from sandboxd.fleet.nodes import NodeSpec
 
-    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
+    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "_system_config": system})
+    worker = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     root = Path(tempfile.mkdtemp(prefix="sandboxd-fleet-tcp-"))
     url = pg_server.fresh_url()
-    spec = NodeSpec(state=url, state_root=str(root / "nodes"), keys_dir=str(root / "keys"))
+    config = root / "sandboxd.toml"
+    config.write_text('snapshot_backend = "copy"\n')
+    spec = NodeSpec(state=url, state_root=str(root / "nodes"), config=str(config), shared_dir=str(root / "shared"),
+                    keys_dir=str(root / "keys"))
     for name in ("door-server", "operator"):
         generate_keys(root / "door-keys", name)
     generate_keys(root / "door-keys" / "clients", "agent")
@@ -57,10 +66,16 @@ def tcp_fleet(pg_server: Any) -> Iterator[dict[str, Any]]:
         with door_on(cluster, spec, endpoint, root, cpus=SANDBOX_CPUS, memory_mb=64,
                      door_config=str(door_config)) as door:
             yield {"endpoint": endpoint, "url": url, "door": door, "keys": root / "keys",
-                   "door_keys": root / "door-keys"}
+                   "door_keys": root / "door-keys", "cluster": cluster, "worker": worker, "shared": root / "shared"}
     finally:
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def operator(tcp_fleet: dict[str, Any]) -> Client:
+    door_keys = tcp_fleet["door_keys"]
+    return Client.with_key_files(tcp_fleet["endpoint"], door_keys / "door-server.key",
+                                 door_keys / "operator.key_secret", timeout_s=120)
 
 
 def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: dict[str, Any],
@@ -82,8 +97,7 @@ def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: 
     with pytest.raises(RemoteError) as refused, agent:  # admitted, but the door cannot tell its sessions apart
         agent.open_session()
     assert refused.value.code == ErrorCode.UNAUTHORIZED
-    client = Client.with_key_files(tcp_fleet["endpoint"], door_keys / "door-server.key",
-                                   door_keys / "operator.key_secret", timeout_s=120)
+    client = operator(tcp_fleet)
     state = Database(tcp_fleet["url"])
     sessions = [client.open_session().session_id for _ in range(4)]
     placed = {sid: state.value("SELECT node FROM sessions WHERE session_id = ?", [sid]) for sid in sessions}
@@ -131,5 +145,50 @@ def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: 
     group = door.placements.groups[fork]
     client.close_session(fork)
     assert fork not in door.placements.groups and placement_group_table(group)["state"] == "REMOVED"
+    state.close()
+    client.close()
+
+
+def test_a_copy_backend_session_lost_with_its_node_is_adopted_from_its_export(tcp_fleet: dict[str, Any]) -> None:
+    client, state = operator(tcp_fleet), Database(tcp_fleet["url"])
+    worker, shared = tcp_fleet["worker"], tcp_fleet["shared"]
+
+    def open_on(node: str) -> list[str]:
+        return [r["session_id"] for r in state.rows(
+            "SELECT session_id FROM sessions WHERE node = ? AND state = 'open' ORDER BY created_at", [node])]
+
+    while not open_on(worker.node_id):  # Ray places; open until one lands on the node about to go
+        client.open_session()
+    victim = open_on(worker.node_id)[0]
+    client.call(victim, "write_file", {"path": "keep.txt", "content": "unchanged"})
+    client.call(victim, "write_file", {"path": "change.txt", "content": "v1"})
+    first = client.snapshot(victim, "first").snapshot_id
+    client.call(victim, "write_file", {"path": "change.txt", "content": "version two"})
+    second = client.snapshot(victim, "second").snapshot_id
+    deadline = time.monotonic() + 60
+    while last_exported(shared, victim) != second:
+        assert time.monotonic() < deadline, "the snapshot was never exported"
+        time.sleep(0.1)
+    one, two = shared / victim / first, shared / victim / second
+    assert (one / "keep.txt").stat().st_ino == (two / "keep.txt").stat().st_ino  # stored once
+    assert (one / "change.txt").read_text() == "v1" and (two / "change.txt").read_text() == "version two"
+    client.call(victim, "write_file", {"path": "after.txt", "content": "never snapshotted"})
+
+    lost = open_on(worker.node_id)
+    tcp_fleet["cluster"].remove_node(worker)
+    deadline = time.monotonic() + 60
+    while state.value("SELECT COUNT(*) FROM sessions WHERE node = ? AND state = 'lost'", [worker.node_id]) < len(lost):
+        assert time.monotonic() < deadline, "the door never marked the lost node's sessions"
+        time.sleep(0.2)
+    head = next(node for node in tcp_fleet["door"].nodes if node != worker.node_id)
+    for sid in open_on(head)[1:]:  # room on the surviving node
+        client.close_session(sid)
+    adopted = client.adopt_session(victim)
+    assert adopted.snapshot_id == second
+    assert state.value("SELECT node FROM sessions WHERE session_id = ?", [victim]) == head
+    assert client.call(victim, "read_file", {"path": "change.txt"}).stdout == "version two"
+    assert client.call(victim, "read_file", {"path": "keep.txt"}).stdout == "unchanged"
+    with pytest.raises(RemoteError):
+        client.call(victim, "read_file", {"path": "after.txt"})  # after the last snapshot: gone with the node
     state.close()
     client.close()

@@ -75,24 +75,21 @@ def test_without_a_config_a_node_still_gets_the_fleets_auth(tmp_path: Path) -> N
     assert config.auth.operator_keys == [str(keys.door_public)]
 
 
-def test_the_copy_backend_with_a_shared_dir_is_refused(tmp_path: Path) -> None:
-    copy = tmp_path / "copy.toml"
-    copy.write_text('snapshot_backend = "copy"\n')
-    with pytest.raises(ValueError, match="exports overlay snapshots only"):
-        NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), config=str(copy),
-                 shared_dir=str(tmp_path / "shared")).check()
-    NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), config=str(copy)).check()  # nothing exported
+def test_a_spec_the_fleet_cannot_serve_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="give the fleet's key directory"):
         NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), port=7000).check()
+    with pytest.raises(ValueError, match="not a TCP port"):
+        NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), keys_dir=str(tmp_path), port=70000).check()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('snapshot_backend = "zfs"\n')
+    with pytest.raises(ValueError, match="invalid configuration"):
+        NodeSpec(state="postgresql://x@y/z", state_root=str(tmp_path), config=str(bad)).check()
 
 
-def test_fleet_serve_refuses_the_copy_backend_before_joining_ray(tmp_path: Path) -> None:
-    copy = tmp_path / "copy.toml"
-    copy.write_text('snapshot_backend = "copy"\n')
+def test_fleet_serve_refuses_a_bad_spec_before_joining_ray(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "sandboxd.cli", "fleet", "serve", "--ray", "127.0.0.1:1",
                            "--state", "postgresql://x@127.0.0.1:1/z", "--state-root", str(tmp_path / "nodes"),
-                           "--config", str(copy), "--shared-dir", str(tmp_path / "shared")],
-                          capture_output=True, text=True, timeout=120)
+                           "--node-port", "7000"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert "sandboxd fleet serve:" in done.stderr and "exports overlay snapshots only" in done.stderr
+    assert "sandboxd fleet serve:" in done.stderr and "give the fleet's key directory" in done.stderr
     assert "Traceback" not in done.stderr
