@@ -79,10 +79,15 @@ class Database:
         """Transactions committed so far (under the lock), and how many of them are known on disk."""
         self._synced = 0
         self._syncing = False
+        self._scope: str | None = None
+        self._flusher_conn: Any = None
         self._sync_cond = threading.Condition()
         self._purges_begun = self._purges_done = 0
         self._purging = False
+        self._purge_all, self._purge_tables = False, set[str]()
         self._purge_cond = threading.Condition()
+        self._reclaim_lock = threading.Lock()
+        self._reclaimer: Any = None
         self.migrate(migrations)
         threading.Thread(target=self._flusher, name="sandboxd-wal-flush", daemon=True).start()
 
@@ -137,7 +142,8 @@ class Database:
     # Transactions ------------------------------------------------------------------------------
 
     @contextmanager
-    def transaction(self, *, durable: bool = False, lazy: bool = False) -> Iterator[Database]:
+    def transaction(self, *, durable: bool = False, lazy: bool = False,
+                    session: str | None = None) -> Iterator[Database]:
         """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception. Durable when the block ends.
 
         Opened inside another transaction it joins it, unless `durable`: a write-ahead record (an effect's
@@ -147,16 +153,22 @@ class Database:
         lock is released, shared by every transaction committed meanwhile (`_sync`). So a session's
         transaction never waits for another's fsync while holding the one writer's lock, and concurrent
         revocations (a dozen transactions each) do not queue behind each other's disk flushes.
-        `lazy`: not even that wait; the flusher's fsync follows within `FLUSH_S` (see the module's docstring)."""
+        `lazy`: not even that wait; the flusher's fsync follows within `FLUSH_S` (see the module's docstring).
+
+        `session`: the block writes only that session's rows, which this daemon owns, under the session's
+        lock. On a shared server it then excludes only whole-database transactions and the same session's,
+        not other sessions' (see `sandboxd.pg`); a block of a wider reach cannot join it."""
         with self._writing():
             if self.conn.in_transaction:
                 if durable:
                     raise RuntimeError("a durable transaction was opened inside an open transaction")
+                if self._scope is not None and session != self._scope:
+                    raise RuntimeError(f"a transaction beyond session {self._scope} was opened inside its own")
                 yield self
                 return
             self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                self.conn.execute("BEGIN IMMEDIATE")
+                self._begin(session)
                 try:
                     yield self
                 except BaseException:
@@ -164,6 +176,7 @@ class Database:
                     raise
                 self.conn.execute("COMMIT")
             finally:
+                self._scope = None
                 # Statements outside a transaction (autocommit) keep the fsync of their own.
                 self.conn.execute("PRAGMA synchronous=FULL")
             self._commits += 1
@@ -172,6 +185,13 @@ class Database:
             self._unsynced.set()
         else:
             self._sync(committed)
+
+    def _begin(self, session: str | None) -> None:
+        if self.url is None:
+            self.conn.execute("BEGIN IMMEDIATE")
+        else:
+            self.conn.begin(session)
+        self._scope = session
 
     def _sync(self, upto: int) -> None:
         """Return once the WAL is on disk up to commit number `upto`: join the fsync in flight if it covers
@@ -195,6 +215,16 @@ class Database:
                     self._sync_cond.notify_all()
 
     def _fsync_wal(self) -> None:
+        if self.url is not None:
+            if self._closed.is_set():
+                return
+            if self._flusher_conn is None:
+                from sandboxd import pg
+
+                self._flusher_conn = pg.Connection(self.url)
+                self._closing.append(self._flusher_conn)
+            self._flusher_conn.flush()
+            return
         try:
             fd = os.open(f"{self.path}-wal", os.O_RDONLY)
         except FileNotFoundError:  # checkpointed away (TRUNCATE), which syncs what it checkpoints
@@ -282,7 +312,7 @@ class Database:
             current = migration.version
         return current
 
-    def purge(self) -> None:
+    def purge(self, tables: Iterable[str] | None = None, *, erase: bool = True) -> None:
         """Make deleted rows physically gone from the files, the WAL included.
 
         secure_delete already overwrites deleted content (and freed pages) with zeros in the database
@@ -292,8 +322,19 @@ class Database:
 
         Grouped like the fsyncs: one checkpoint begun after the caller's commits covers them all, so
         revocations committing at once share a checkpoint instead of queueing one each behind the lock.
+
+        On a PostgreSQL server (no secure_delete) the cost is a rewrite of the tables, so it is paid only
+        where it is promised: `erase` (content a revocation forgot, which it then scans for) rewrites
+        `tables` (None: every table); without it (a closed session's rows) see `sandboxd.pg.reclaim`.
         """
+        if self.url is not None and not erase:
+            self._reclaim()
+            return
         with self._purge_cond:
+            if tables is None:
+                self._purge_all = True
+            else:
+                self._purge_tables.update(tables)
             # The checkpoint in flight, if any, may have begun before the caller's last write: the next one.
             wanted = self._purges_begun + 1
             while self._purges_done < wanted:
@@ -302,21 +343,36 @@ class Database:
                     continue
                 self._purging = True
                 self._purges_begun += 1
+                # This purge covers the tables of every caller waiting for it.
+                group = None if self._purge_all else sorted(self._purge_tables)
+                self._purge_all, self._purge_tables = False, set()
                 self._purge_cond.release()
                 try:
-                    self._checkpoint()
+                    self._checkpoint(group)
                 finally:
                     self._purge_cond.acquire()
                     self._purging = False
                     self._purges_done = self._purges_begun
                     self._purge_cond.notify_all()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, tables: list[str] | None) -> None:
         with self._writing() as conn:
             if self.url is not None:
-                self.conn.purge()  # no secure_delete there: see `sandboxd.pg`
+                self.conn.purge(tables)  # no secure_delete there: see `sandboxd.pg`
                 return
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def _reclaim(self) -> None:
+        # Outside the writer lock, on a connection of its own: a plain VACUUM blocks no writer, here or
+        # on any other daemon, and the daemon's transactions go on meanwhile.
+        with self._reclaim_lock:
+            if self._reclaimer is None:
+                from sandboxd import pg
+
+                self._reclaimer = pg.Connection(self.url or "")
+                with self.lock:
+                    self._closing.append(self._reclaimer)
+            self._reclaimer.reclaim()
 
     def vacuum(self) -> None:
         """Rewrite the whole database (and empty the WAL): the last resort when a scan still finds a value."""
@@ -327,6 +383,9 @@ class Database:
     def close(self) -> None:
         self._closed.set()
         self._unsynced.set()
+        with self._sync_cond:  # a flush in flight on a server connection finishes before it closes
+            while self._syncing:
+                self._sync_cond.wait()
         with self.lock:
             for reader in [*self._readers, *self._closing]:
                 reader.close()

@@ -116,9 +116,7 @@ class Connection:
         values = [int(v) if isinstance(v, bool) else v for v in params]
         head = sql.lstrip()[:16].upper()
         if head.startswith("BEGIN"):
-            self._conn.execute("BEGIN")
-            # BEGIN IMMEDIATE took the file's one write lock: here one lock per schema, for every daemon.
-            self._conn.execute("SELECT pg_advisory_xact_lock(%s)", [self.writer_lock])
+            self.begin()
             return Cursor(self._conn.cursor(), False)
         if head.startswith("PRAGMA"):
             return self._pragma(sql)
@@ -127,6 +125,34 @@ class Connection:
         text = self._upsert(sql) if "INSERT OR REPLACE" in sql.upper() else sql
         cursor = self._conn.execute(translate(text, bool(values)), values or None)
         return Cursor(cursor, _names_rowid(sql))
+
+    def begin(self, session: str | None = None) -> None:
+        """BEGIN IMMEDIATE: a transaction holding the writer lock, whose COMMIT does not wait for the disk.
+
+        The lock: the schema's, exclusive (one writer at a time across every daemon, as one file allowed
+        one); or for a block that writes only one session's rows (`Database.transaction(session=...)`) the
+        schema's shared and the session's exclusive, so such blocks of different sessions run at once and
+        any whole-schema transaction still runs alone. Rejected: the same narrowing per lineage for the
+        ledger's transactions, since a fork's branch reaches (and settles) its parent lineage's calls.
+
+        The commit: `synchronous_commit = off`, so it returns once the commit is in the server (visible to
+        every daemon, kept through this daemon's kill -9) and the WAL flush happens after the daemon's
+        writer lock is released, shared by every commit meanwhile (`flush`, from `Database._sync`): the
+        same group commit as the SQLite file's. One round trip for all of it."""
+        if session is None:
+            locks = f"pg_advisory_xact_lock({self.writer_lock})"
+        else:
+            locks = (f"pg_advisory_xact_lock_shared({self.writer_lock}), "
+                     f"pg_advisory_xact_lock({lock_key('session:' + session)})")
+        self._conn.execute(f"BEGIN; SET LOCAL synchronous_commit = off; SELECT {locks}")
+
+    def flush(self) -> None:
+        """Return once the server's WAL is on disk up to now: every commit before it is durable.
+
+        A transaction that writes a WAL record commits synchronously (flushing the WAL up to its record,
+        so every earlier commit with it); a transactional logical message is such a record, in no table.
+        Rejected: `SELECT txid_current()`, whose commit writes no record before it and so is not flushed."""
+        self._conn.execute("SELECT pg_logical_emit_message(true, 'sandboxd-flush', '')")
 
     def close(self) -> None:
         self._conn.close()
@@ -154,16 +180,32 @@ class Connection:
         # which the server has as its own (fsync, synchronous_commit) or `Connection` sets.
         return Cursor(self._conn.cursor(), False)
 
-    def _vacuum(self) -> Cursor:
-        tables = [r[0] for r in self._conn.execute("SELECT name FROM sqlite_master").fetchall()]
-        for table in tables:
+    def _tables(self) -> list[str]:
+        return [r[0] for r in self._conn.execute("SELECT name FROM sqlite_master").fetchall()]
+
+    def _vacuum(self, tables: Iterable[str] | None = None) -> Cursor:
+        present = self._tables()
+        for table in present if tables is None else [t for t in present if t in set(tables)]:
             self._conn.execute(f'VACUUM (FULL) "{table}"')
         return Cursor(self._conn.cursor(), False)
 
-    def purge(self) -> None:
-        """Deleted rows physically gone: rewrite the tables (no dead tuples left), then let the WAL go."""
-        self._vacuum()
+    def purge(self, tables: Iterable[str] | None = None) -> None:
+        """Deleted rows physically gone: rewrite the tables (None: all), their indexes and TOAST with them,
+        into new files (no dead tuple left), then let the WAL go."""
+        self._vacuum(tables)
         self._conn.execute("CHECKPOINT")
+
+    def reclaim(self) -> None:
+        """Deleted rows pruned from every table, their space free for new rows, without rewriting anything.
+
+        A plain VACUUM takes no lock that writers wait for (VACUUM FULL's ACCESS EXCLUSIVE would stop
+        every daemon's writes to the table for the rewrite). It does not erase: a pruned tuple's bytes stay
+        in its page until the space is reused, index entries until their pages are, and the WAL until its
+        segments are recycled. So this is for what is deleted but promised no erasure (a closed session's
+        records); what a revocation forgot is `purge`d."""
+        names = ", ".join(f'"{t}"' for t in self._tables())
+        if names:
+            self._conn.execute(f"VACUUM {names}")
 
     def _upsert(self, sql: str) -> str:
         found = re.match(r'\s*INSERT\s+OR\s+REPLACE\s+INTO\s+"?(\w+)"?\s*\(([^)]*)\)(.*)$', sql, re.S | re.I)
