@@ -19,12 +19,15 @@ struct a caller names (`rows(sql, params, SessionRow)`), so no module passes `di
 
 The state may instead live on a PostgreSQL server (`Database("postgresql://...")`, the `state` setting):
 the same class, the same SQL, over a connection of `sandboxd.pg` that translates SQLite's dialect; one
-writer at a time across every daemon on that database, as one SQLite file allows one.
+writer at a time across every daemon on that database, as one SQLite file allows one, except that
+transactions of different sessions' own rows run at once. The group commit is the same there: a
+commit does not wait for the disk under the lock, a WAL flush on a connection of its own does after it.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -40,6 +43,8 @@ T = TypeVar("T")
 
 #: the longest a lazy commit waits for its fsync (the window a host crash, not a kill, can lose)
 FLUSH_S = 0.05
+#: connections for sessions' own transactions on a server (beyond the daemon's one writer connection)
+SESSION_WRITERS = 8
 
 
 def connect(path: Path | str, node: str | None = None) -> Any:
@@ -76,7 +81,11 @@ class Database:
         self._unsynced = threading.Event()
         self._closed = threading.Event()
         self._commits = 0
-        """Transactions committed so far (under the lock), and how many of them are known on disk."""
+        """Transactions committed so far (under `_counts_lock`, with the pool's size), and how many of them are
+        known on disk."""
+        self._counts_lock = threading.Lock()
+        self._pool: queue.LifoQueue[Any] = queue.LifoQueue()
+        self._pool_made = 0
         self._synced = 0
         self._syncing = False
         self._scope: str | None = None
@@ -93,7 +102,12 @@ class Database:
 
     @contextmanager
     def _writing(self) -> Iterator[sqlite3.Connection]:
-        """The write connection, under the lock; this thread's reads go through it meanwhile."""
+        """The write connection, under the lock; this thread's reads go through it meanwhile. Inside this
+        thread's session transaction on a server, that transaction's connection, and no lock."""
+        own = getattr(self._local, "session_conn", None)
+        if own is not None:
+            yield own
+            return
         with self.lock:
             self._local.depth = getattr(self._local, "depth", 0) + 1
             try:
@@ -103,6 +117,10 @@ class Database:
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
+        own = getattr(self._local, "session_conn", None)
+        if own is not None:
+            yield own  # inside this thread's own write: read what it wrote
+            return
         if getattr(self._local, "depth", 0):
             yield self.conn  # inside this thread's own write: read what it wrote
             return
@@ -157,20 +175,49 @@ class Database:
 
         `session`: the block writes only that session's rows, which this daemon owns, under the session's
         lock. On a shared server it then excludes only whole-database transactions and the same session's,
-        not other sessions' (see `sandboxd.pg`); a block of a wider reach cannot join it."""
+        not other sessions' (see `sandboxd.pg`); a block of a wider reach cannot join it. There such a
+        block runs on a connection of a small pool, outside the daemon's lock: its session's lock and the
+        server's locks keep it apart from the same session's writes and from whole-database transactions
+        (on this daemon's connection or any other daemon's) as they would keep two daemons apart, so the
+        daemon's sessions record their calls at once instead of queueing on the one connection."""
+        if getattr(self._local, "session_conn", None) is not None:
+            if durable:
+                raise RuntimeError("a durable transaction was opened inside an open transaction")
+            if session != self._local.session:
+                raise RuntimeError(f"a transaction beyond session {self._local.session} was opened inside its own")
+            yield self
+            return
+        if session is not None and self.url is not None and not getattr(self._local, "depth", 0):
+            with self._session_transaction(session):
+                yield self
+            committed = self._count_commit()
+        else:
+            with self._whole_transaction(durable, session):
+                yield self
+            committed = self._local.committed
+            if not committed:  # joined an open transaction, which waits for the disk when it ends
+                return
+        if lazy:
+            self._unsynced.set()
+        else:
+            self._sync(committed)
+
+    @contextmanager
+    def _whole_transaction(self, durable: bool, session: str | None) -> Iterator[None]:
         with self._writing():
             if self.conn.in_transaction:
                 if durable:
                     raise RuntimeError("a durable transaction was opened inside an open transaction")
                 if self._scope is not None and session != self._scope:
                     raise RuntimeError(f"a transaction beyond session {self._scope} was opened inside its own")
-                yield self
+                yield
+                self._local.committed = 0  # joined: the outer block waits for the disk, not this one
                 return
             self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
                 self._begin(session)
                 try:
-                    yield self
+                    yield
                 except BaseException:
                     self.conn.execute("ROLLBACK")
                     raise
@@ -179,12 +226,49 @@ class Database:
                 self._scope = None
                 # Statements outside a transaction (autocommit) keep the fsync of their own.
                 self.conn.execute("PRAGMA synchronous=FULL")
+            self._local.committed = self._count_commit()
+
+    @contextmanager
+    def _session_transaction(self, session: str) -> Iterator[None]:
+        try:
+            conn = self._pool.get_nowait()
+        except queue.Empty:
+            conn = self._connect() if self._pool_made < SESSION_WRITERS else self._pool.get()
+        self._local.session_conn, self._local.session = conn, session
+        healthy = False
+        try:
+            conn.begin(session)
+            try:
+                yield
+            except BaseException:
+                conn.execute("ROLLBACK")
+                healthy = True
+                raise
+            conn.execute("COMMIT")
+            healthy = True
+        finally:
+            self._local.session_conn = self._local.session = None
+            if healthy:
+                self._pool.put(conn)
+            else:  # its state unknown (a lost server, a failed COMMIT): a new connection takes its place
+                conn.close()
+                with self._counts_lock:
+                    self._pool_made -= 1
+
+    def _connect(self) -> Any:
+        from sandboxd import pg
+
+        with self._counts_lock:
+            self._pool_made += 1
+        conn = pg.Connection(self.url or "", node=self.node)
+        with self.lock:
+            self._closing.append(conn)
+        return conn
+
+    def _count_commit(self) -> int:
+        with self._counts_lock:
             self._commits += 1
-            committed = self._commits
-        if lazy:
-            self._unsynced.set()
-        else:
-            self._sync(committed)
+            return self._commits
 
     def _begin(self, session: str | None) -> None:
         if self.url is None:

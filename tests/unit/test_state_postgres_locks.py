@@ -1,8 +1,8 @@
 """What the PostgreSQL state promises once its commits no longer wait for the disk under the writer lock,
 and its call records lock their session only: on a real server, two `Database`s standing for two daemons.
 
-- A session's call records do not wait for another session's, on any daemon; the same session's, and a
-  whole-database transaction, still run alone.
+- A session's call records do not wait for another session's, on the same daemon or another; the same
+  session's, and a whole-database transaction, still run alone.
 - A durable transaction is on disk when its block ends: a server crash right after it loses nothing.
 - An intent another daemon committed but has not yet flushed (so not yet fired) is refused as being
   fired, never fired again.
@@ -41,9 +41,11 @@ def in_thread(target: Callable[[], object]) -> threading.Thread:
     return thread
 
 
+@pytest.mark.parametrize("daemons", [2, 1])
 def test_a_sessions_records_wait_only_for_the_same_session_or_the_whole_database(
-        two: tuple[Database, Database]) -> None:
-    one, other = two
+        two: tuple[Database, Database], daemons: int) -> None:
+    """Across two daemons; and within one, whose sessions' transactions no longer queue on its one connection."""
+    one, other = two[0], two[daemons - 1]
 
     def holding_s1(call_id: str, then: Callable[[], None]) -> None:
         """Run `then` on the other daemon while daemon one's transaction of session s1 is open."""
