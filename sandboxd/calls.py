@@ -238,10 +238,12 @@ class Calls:
         with self.db.transaction(lazy=True, session=req.session_id):
             if effect == "write":
                 self.db.update("sessions", {"session_id": req.session_id}, env_snapshot=None)
-            seq = self.db.value("SELECT COALESCE(MAX(seq), 0) + 1 FROM calls WHERE session_id = ?", [req.session_id])
-            self.db.insert("calls", CallRow(call_id=call_id, session_id=req.session_id, seq=seq, tool=req.tool,
-                                            args=canonical_args(req.args), effect=effect, status="running",
-                                            created_at=time.time(), branch=req.branch, turn=req.turn))
+            # The next seq numbered in the INSERT itself: one statement, one round trip to a server.
+            self.db.execute(
+                "INSERT INTO calls (call_id, session_id, seq, tool, args, effect, status, created_at, branch, turn) "
+                "SELECT ?, ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, 'running', ?, ?, ? FROM calls WHERE session_id = ?",
+                [call_id, req.session_id, req.tool, canonical_args(req.args), effect, time.time(), req.branch,
+                 req.turn, req.session_id])
 
     def begin_operation(self, session_id: str, tool: str, args: dict[str, Any], effect: str) -> str:
         """Record an operation on the sandbox that is no tool call (`sandboxd cp`) as running, like a call, so
