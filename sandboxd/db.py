@@ -22,6 +22,10 @@ the same class, the same SQL, over a connection of `sandboxd.pg` that translates
 writer at a time across every daemon on that database, as one SQLite file allows one, except that
 transactions of different sessions' own rows run at once. The group commit is the same there: a
 commit does not wait for the disk under the lock, a WAL flush on a connection of its own does after it.
+
+Why one module of this size: a transaction, the group commit that makes it durable, the connections it
+may run on and the purge grouped like the fsyncs share one writer lock and one set of counters; split,
+each half would reach into the other's state to keep the durability promise.
 """
 
 from __future__ import annotations
