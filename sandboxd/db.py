@@ -30,6 +30,7 @@ each half would reach into the other's state to keep the durability promise.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import sqlite3
@@ -44,6 +45,7 @@ import msgspec
 from sandboxd.migrations import MIGRATIONS, Migration
 
 T = TypeVar("T")
+log = logging.getLogger("sandboxd")
 
 #: the longest a lazy commit waits for its fsync (the window a host crash, not a kill, can lose)
 FLUSH_S = 0.05
@@ -294,12 +296,16 @@ class Database:
                 # this condition): a count that only grows, and every commit it counts has written the WAL.
                 group = self._commits
                 self._sync_cond.release()
+                flushed = False
                 try:
                     self._fsync_wal()
+                    flushed = True
                 finally:
                     self._sync_cond.acquire()
                     self._syncing = False
-                    self._synced = max(self._synced, group)
+                    # A failed flush covers nothing: its waiters try one of their own, and fail or return durable.
+                    if flushed:
+                        self._synced = max(self._synced, group)
                     self._sync_cond.notify_all()
 
     def _fsync_wal(self) -> None:
@@ -311,7 +317,13 @@ class Database:
 
                 self._flusher_conn = pg.Connection(self.url)
                 self._closing.append(self._flusher_conn)
-            self._flusher_conn.flush()
+            try:
+                self._flusher_conn.flush()
+            except Exception:
+                # The caller learns its commit may not be durable; the next flush tries a new connection.
+                self._flusher_conn.close()
+                self._flusher_conn = None
+                raise
             return
         try:
             fd = os.open(f"{self.path}-wal", os.O_RDONLY)
@@ -329,7 +341,10 @@ class Database:
             self._unsynced.clear()
             if self._closed.is_set():
                 return
-            self._sync(self._commits)
+            try:
+                self._sync(self._commits)
+            except Exception:  # a server out of reach: the next lazy commit tries again (and its own error shows)
+                log.warning("the state's flush failed", exc_info=True)
             self._closed.wait(FLUSH_S)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:

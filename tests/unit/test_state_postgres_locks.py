@@ -186,3 +186,17 @@ def test_a_close_prunes_without_a_rewrite_and_a_revocation_erases_the_bytes(pg_u
     assert path_after != path and marker.encode() not in content_after and b"kept" in content_after
     assert [r["call_id"] for r in db.rows("SELECT call_id FROM outbox_held")] == ["kept"]
     db.close()
+
+
+def test_a_failed_flush_fails_its_commit_and_the_next_flush_reconnects(pg_url: str) -> None:
+    db = Database(pg_url, node="a")
+    with db.transaction(durable=True):
+        db.execute(HOLD, ["c0", "s"])  # the flush connection is open now
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s, 5000)", [db._flusher_conn._conn.info.backend_pid])
+    with pytest.raises(psycopg.OperationalError), db.transaction(durable=True):
+        db.execute(HOLD, ["c1", "s"])  # committed, but not known on disk: its caller must not go on
+    with db.transaction(durable=True):
+        db.execute(HOLD, ["c2", "s"])
+    assert db.value("SELECT COUNT(*) FROM outbox_held") == 3
+    db.close()
