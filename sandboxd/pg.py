@@ -140,7 +140,8 @@ class Connection:
         one); or for a block that writes only one session's rows (`Database.transaction(session=...)`) the
         schema's shared and the session's exclusive, so such blocks of different sessions run at once and
         any whole-schema transaction still runs alone. Rejected: the same narrowing per lineage for the
-        ledger's transactions, since a fork's branch reaches (and settles) its parent lineage's calls.
+        ledger's transactions, since a fork's branch reaches its parent lineage's calls (and can move
+        them to `unknown` or `done`): two lineage locks would not keep those writers apart.
 
         The commit: `synchronous_commit = off`, so it returns once the commit is in the server (visible to
         every daemon, kept through this daemon's kill -9) and the WAL flush happens after the daemon's
