@@ -3,7 +3,8 @@ and its call records lock their session only: on a real server, two `Database`s 
 
 - A session's call records do not wait for another session's, on the same daemon or another; the same
   session's, and a whole-database transaction, still run alone.
-- A durable transaction is on disk when its block ends: a server crash right after it loses nothing.
+- A durable transaction is on disk when its block ends: a server crash right after it loses nothing,
+  and a flush that fails fails its transaction (the next one reconnects).
 - An intent another daemon committed but has not yet flushed (so not yet fired) is refused as being
   fired, never fired again.
 - A closed session's rows are pruned without a rewrite (no lock other daemons wait for); a revocation's
