@@ -12,7 +12,9 @@ With `--tcp` the node daemons listen on tcp:// with CURVE (a fleet key directory
 and the straight-to-the-nodes run connects with the door's key: the cost of tcp+CURVE over ipc.
 
 Run: `.venv/bin/python -m benchmarks.bench_fleet [--sessions 16 64] [--calls 5] [--nodes 3] [--tcp]
-[--no-baseline]` (needs the tool image, `make postgres` and the `fleet` extra).
+[--no-baseline | --daemons-only]` (needs the tool image, `make postgres` and the `fleet` extra).
+`--daemons-only` runs the last rows alone (no Ray): one daemon on SQLite against one on PostgreSQL,
+at the first `--sessions`; `--no-baseline` skips them.
 """
 
 from __future__ import annotations
@@ -97,6 +99,20 @@ def row(name: str, samples: list[float], rate: float) -> None:
     print(f"{name:44} {len(samples):>6} {rate:>8.1f} {cuts[49] * 1e3:>8.1f} {cuts[98] * 1e3:>8.1f}", flush=True)
 
 
+def one_daemon_rows(root: Path, server: PgServer, n: int, calls: int) -> None:
+    """One daemon on SQLite, then one on PostgreSQL, no door: what the state's backend costs a call."""
+    for name, extra in (("one daemon, SQLite", []), ("one daemon, PostgreSQL", ["--state", server.fresh_url()])):
+        daemon = DaemonProcess(root / name.replace(" ", "-").replace(",", "") / "state", extra)
+        daemon.start()
+        try:
+            sessions = open_sessions(daemon.endpoint, n)
+            samples, rate = workload(lambda _sid: daemon.endpoint, sessions, calls)  # noqa: B023
+            row(f"{name}, {n} sessions", samples, rate)
+            close_sessions(daemon.endpoint, sessions)
+        finally:
+            daemon.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[16, 64])
@@ -104,7 +120,18 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--tcp", action="store_true", help="node daemons on tcp:// with CURVE (a fleet key directory)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the one-daemon SQLite/PostgreSQL runs")
+    parser.add_argument("--daemons-only", action="store_true", help="only the one-daemon rows (no Ray)")
     args = parser.parse_args()
+    if args.daemons_only:
+        root = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+        server = PgServer()
+        try:
+            print(f"{'configuration':44} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8}", flush=True)
+            one_daemon_rows(root, server, args.sessions[0], args.calls)
+        finally:
+            server.stop()
+            shutil.rmtree(root, ignore_errors=True)
+        return
     root = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     server = PgServer()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "include_dashboard": False})
@@ -140,19 +167,8 @@ def main() -> None:
                 close_sessions(door_endpoint, sessions)
         state.close()
         fleet.server.stop()  # type: ignore[attr-defined]
-        n = args.sessions[0]
-        baselines: list[tuple[str, list[str]]] = [("one daemon, SQLite", []),
-                                                  ("one daemon, PostgreSQL", ["--state", server.fresh_url()])]
-        for name, extra in [] if args.no_baseline else baselines:
-            daemon = DaemonProcess(root / name.replace(" ", "-").replace(",", "") / "state", extra)
-            daemon.start()
-            try:
-                sessions = open_sessions(daemon.endpoint, n)
-                samples, rate = workload(lambda _sid: daemon.endpoint, sessions, args.calls)  # noqa: B023
-                row(f"{name}, {n} sessions", samples, rate)
-                close_sessions(daemon.endpoint, sessions)
-            finally:
-                daemon.shutdown()
+        if not args.no_baseline:
+            one_daemon_rows(root, server, args.sessions[0], args.calls)
     finally:
         time.sleep(2)
         for state_dir in (root / "nodes").iterdir() if (root / "nodes").exists() else []:

@@ -7,7 +7,7 @@ PostgreSQL server this benchmark starts itself (initdb into a temporary director
 on: the same durability as SQLite's synchronous=FULL). Two firewalls on the PostgreSQL database stand
 for two daemons sharing it (the writer lock is then contended across them).
 
-Run: `.venv/bin/python -m benchmarks.bench_state [--n 300]` (needs `make postgres`).
+Run: `.venv/bin/python -m benchmarks.bench_state [--n 300] [--callers 1 8]` (needs `make postgres`).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def run(firewalls: list[Firewall], callers: int, n: int, tag: str) -> tuple[list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=300, help="calls per configuration")
+    parser.add_argument("--callers", type=int, nargs="+", default=[1, 8], help="concurrent callers, per row")
     args = parser.parse_args()
     server = PgServer()
     workdir = Path(tempfile.mkdtemp(prefix="bench-state-"))
@@ -72,7 +73,7 @@ def main() -> None:
         url = server.fresh_url()
         configs["postgresql, 2 daemons"] = [Database(url, node="a"), Database(url, node="b")]
         print(f"{'state':24} {'callers':>7} {'calls/s':>8} {'p50 ms':>7} {'p99 ms':>7}")
-        for callers in (1, 8):
+        for callers in args.callers:
             for name, dbs in configs.items():
                 firewalls = [Firewall(FirewallConfig(), db, adapters=[Counting()]) for db in dbs]
                 samples, rate = run(firewalls, callers, args.n, f"{callers}")

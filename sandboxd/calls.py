@@ -233,14 +233,17 @@ class Calls:
         """Record a call as running before it runs (write-ahead); a write call makes the sandbox dirty.
 
         Lazy commits, here and in `_finish`: in the WAL before the call runs or is answered, so a `kill -9`
-        loses neither; only a host crash within `FLUSH_S` could (see sandboxd.db)."""
-        with self.db.transaction(lazy=True):
+        loses neither; only a host crash within `FLUSH_S` could (see sandboxd.db). Both write the session's
+        rows only, under its lock: on a shared server they need not wait for other sessions' writes."""
+        with self.db.transaction(lazy=True, session=req.session_id):
             if effect == "write":
                 self.db.update("sessions", {"session_id": req.session_id}, env_snapshot=None)
-            seq = self.db.value("SELECT COALESCE(MAX(seq), 0) + 1 FROM calls WHERE session_id = ?", [req.session_id])
-            self.db.insert("calls", CallRow(call_id=call_id, session_id=req.session_id, seq=seq, tool=req.tool,
-                                            args=canonical_args(req.args), effect=effect, status="running",
-                                            created_at=time.time(), branch=req.branch, turn=req.turn))
+            # The next seq numbered in the INSERT itself: one statement, one round trip to a server.
+            self.db.execute(
+                "INSERT INTO calls (call_id, session_id, seq, tool, args, effect, status, created_at, branch, turn) "
+                "SELECT ?, ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, 'running', ?, ?, ? FROM calls WHERE session_id = ?",
+                [call_id, req.session_id, req.tool, canonical_args(req.args), effect, time.time(), req.branch,
+                 req.turn, req.session_id])
 
     def begin_operation(self, session_id: str, tool: str, args: dict[str, Any], effect: str) -> str:
         """Record an operation on the sandbox that is no tool call (`sandboxd cp`) as running, like a call, so
@@ -259,7 +262,7 @@ class Calls:
             self._finish(session_id, call_id, "done", {"kind": "result", **result})
 
     def _finish(self, session_id: str, call_id: str, status: str, result: dict[str, Any]) -> None:
-        with self.db.transaction(lazy=True):
+        with self.db.transaction(lazy=True, session=session_id):
             self.db.update("calls", {"session_id": session_id, "call_id": call_id}, status=status,
                            result=json.dumps(result), finished_at=time.time())
 

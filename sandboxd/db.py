@@ -19,12 +19,20 @@ struct a caller names (`rows(sql, params, SessionRow)`), so no module passes `di
 
 The state may instead live on a PostgreSQL server (`Database("postgresql://...")`, the `state` setting):
 the same class, the same SQL, over a connection of `sandboxd.pg` that translates SQLite's dialect; one
-writer at a time across every daemon on that database, as one SQLite file allows one.
+writer at a time across every daemon on that database, as one SQLite file allows one, except that
+transactions of different sessions' own rows run at once. The group commit is the same there: a
+commit does not wait for the disk under the lock, a WAL flush on a connection of its own does after it.
+
+Why one module of this size: a transaction, the group commit that makes it durable, the connections it
+may run on and the purge grouped like the fsyncs share one writer lock and one set of counters; split,
+each half would reach into the other's state to keep the durability promise.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -37,9 +45,12 @@ import msgspec
 from sandboxd.migrations import MIGRATIONS, Migration
 
 T = TypeVar("T")
+log = logging.getLogger("sandboxd")
 
 #: the longest a lazy commit waits for its fsync (the window a host crash, not a kill, can lose)
 FLUSH_S = 0.05
+#: connections for sessions' own transactions on a server (beyond the daemon's one writer connection)
+SESSION_WRITERS = 8
 
 
 def connect(path: Path | str, node: str | None = None) -> Any:
@@ -76,19 +87,33 @@ class Database:
         self._unsynced = threading.Event()
         self._closed = threading.Event()
         self._commits = 0
-        """Transactions committed so far (under the lock), and how many of them are known on disk."""
+        """Transactions committed so far (under `_counts_lock`, with the pool's size), and how many of them are
+        known on disk."""
+        self._counts_lock = threading.Lock()
+        self._pool: queue.LifoQueue[Any] = queue.LifoQueue()
+        self._pool_made = 0
         self._synced = 0
         self._syncing = False
+        self._scope: str | None = None
+        self._flusher_conn: Any = None
         self._sync_cond = threading.Condition()
         self._purges_begun = self._purges_done = 0
         self._purging = False
+        self._purge_all, self._purge_tables = False, set[str]()
         self._purge_cond = threading.Condition()
+        self._reclaim_lock = threading.Lock()
+        self._reclaimer: Any = None
         self.migrate(migrations)
         threading.Thread(target=self._flusher, name="sandboxd-wal-flush", daemon=True).start()
 
     @contextmanager
     def _writing(self) -> Iterator[sqlite3.Connection]:
-        """The write connection, under the lock; this thread's reads go through it meanwhile."""
+        """The write connection, under the lock; this thread's reads go through it meanwhile. Inside this
+        thread's session transaction on a server, that transaction's connection, and no lock."""
+        own = getattr(self._local, "session_conn", None)
+        if own is not None:
+            yield own
+            return
         with self.lock:
             self._local.depth = getattr(self._local, "depth", 0) + 1
             try:
@@ -98,6 +123,10 @@ class Database:
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
+        own = getattr(self._local, "session_conn", None)
+        if own is not None:
+            yield own  # inside this thread's own write: read what it wrote
+            return
         if getattr(self._local, "depth", 0):
             yield self.conn  # inside this thread's own write: read what it wrote
             return
@@ -137,7 +166,8 @@ class Database:
     # Transactions ------------------------------------------------------------------------------
 
     @contextmanager
-    def transaction(self, *, durable: bool = False, lazy: bool = False) -> Iterator[Database]:
+    def transaction(self, *, durable: bool = False, lazy: bool = False,
+                    session: str | None = None) -> Iterator[Database]:
         """BEGIN IMMEDIATE .. COMMIT under the lock; rolls back on any exception. Durable when the block ends.
 
         Opened inside another transaction it joins it, unless `durable`: a write-ahead record (an effect's
@@ -147,31 +177,111 @@ class Database:
         lock is released, shared by every transaction committed meanwhile (`_sync`). So a session's
         transaction never waits for another's fsync while holding the one writer's lock, and concurrent
         revocations (a dozen transactions each) do not queue behind each other's disk flushes.
-        `lazy`: not even that wait; the flusher's fsync follows within `FLUSH_S` (see the module's docstring)."""
+        `lazy`: not even that wait; the flusher's fsync follows within `FLUSH_S` (see the module's docstring).
+
+        `session`: the block writes only that session's rows, which this daemon owns, under the session's
+        lock. On a shared server it then excludes only whole-database transactions and the same session's,
+        not other sessions' (see `sandboxd.pg`); a block of a wider reach cannot join it. There such a
+        block runs on a connection of a small pool, outside the daemon's lock: its session's lock and the
+        server's locks keep it apart from the same session's writes and from whole-database transactions
+        (on this daemon's connection or any other daemon's) as they would keep two daemons apart, so the
+        daemon's sessions record their calls at once instead of queueing on the one connection."""
+        if getattr(self._local, "session_conn", None) is not None:
+            if durable:
+                raise RuntimeError("a durable transaction was opened inside an open transaction")
+            if session != self._local.session:
+                raise RuntimeError(f"a transaction beyond session {self._local.session} was opened inside its own")
+            yield self
+            return
+        if session is not None and self.url is not None and not getattr(self._local, "depth", 0):
+            with self._session_transaction(session):
+                yield self
+            committed = self._count_commit()
+        else:
+            with self._whole_transaction(durable, session):
+                yield self
+            committed = self._local.committed
+            if not committed:  # joined an open transaction, which waits for the disk when it ends
+                return
+        if lazy:
+            self._unsynced.set()
+        else:
+            self._sync(committed)
+
+    @contextmanager
+    def _whole_transaction(self, durable: bool, session: str | None) -> Iterator[None]:
         with self._writing():
             if self.conn.in_transaction:
                 if durable:
                     raise RuntimeError("a durable transaction was opened inside an open transaction")
-                yield self
+                if self._scope is not None and session != self._scope:
+                    raise RuntimeError(f"a transaction beyond session {self._scope} was opened inside its own")
+                yield
+                self._local.committed = 0  # joined: the outer block waits for the disk, not this one
                 return
             self.conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                self.conn.execute("BEGIN IMMEDIATE")
+                self._begin(session)
                 try:
-                    yield self
+                    yield
                 except BaseException:
                     self.conn.execute("ROLLBACK")
                     raise
                 self.conn.execute("COMMIT")
             finally:
+                self._scope = None
                 # Statements outside a transaction (autocommit) keep the fsync of their own.
                 self.conn.execute("PRAGMA synchronous=FULL")
+            self._local.committed = self._count_commit()
+
+    @contextmanager
+    def _session_transaction(self, session: str) -> Iterator[None]:
+        try:
+            conn = self._pool.get_nowait()
+        except queue.Empty:
+            conn = self._connect() if self._pool_made < SESSION_WRITERS else self._pool.get()
+        self._local.session_conn, self._local.session = conn, session
+        healthy = False
+        try:
+            conn.begin(session)
+            try:
+                yield
+            except BaseException:
+                conn.execute("ROLLBACK")
+                healthy = True
+                raise
+            conn.execute("COMMIT")
+            healthy = True
+        finally:
+            self._local.session_conn = self._local.session = None
+            if healthy:
+                self._pool.put(conn)
+            else:  # its state unknown (a lost server, a failed COMMIT): a new connection takes its place
+                conn.close()
+                with self._counts_lock:
+                    self._pool_made -= 1
+
+    def _connect(self) -> Any:
+        from sandboxd import pg
+
+        with self._counts_lock:
+            self._pool_made += 1
+        conn = pg.Connection(self.url or "", node=self.node)
+        with self.lock:
+            self._closing.append(conn)
+        return conn
+
+    def _count_commit(self) -> int:
+        with self._counts_lock:
             self._commits += 1
-            committed = self._commits
-        if lazy:
-            self._unsynced.set()
+            return self._commits
+
+    def _begin(self, session: str | None) -> None:
+        if self.url is None:
+            self.conn.execute("BEGIN IMMEDIATE")
         else:
-            self._sync(committed)
+            self.conn.begin(session)
+        self._scope = session
 
     def _sync(self, upto: int) -> None:
         """Return once the WAL is on disk up to commit number `upto`: join the fsync in flight if it covers
@@ -186,15 +296,35 @@ class Database:
                 # this condition): a count that only grows, and every commit it counts has written the WAL.
                 group = self._commits
                 self._sync_cond.release()
+                flushed = False
                 try:
                     self._fsync_wal()
+                    flushed = True
                 finally:
                     self._sync_cond.acquire()
                     self._syncing = False
-                    self._synced = max(self._synced, group)
+                    # A failed flush covers nothing: its waiters try one of their own, and fail or return durable.
+                    if flushed:
+                        self._synced = max(self._synced, group)
                     self._sync_cond.notify_all()
 
     def _fsync_wal(self) -> None:
+        if self.url is not None:
+            if self._closed.is_set():
+                return
+            if self._flusher_conn is None:
+                from sandboxd import pg
+
+                self._flusher_conn = pg.Connection(self.url)
+                self._closing.append(self._flusher_conn)
+            try:
+                self._flusher_conn.flush()
+            except Exception:
+                # The caller learns its commit may not be durable; the next flush tries a new connection.
+                self._flusher_conn.close()
+                self._flusher_conn = None
+                raise
+            return
         try:
             fd = os.open(f"{self.path}-wal", os.O_RDONLY)
         except FileNotFoundError:  # checkpointed away (TRUNCATE), which syncs what it checkpoints
@@ -211,7 +341,10 @@ class Database:
             self._unsynced.clear()
             if self._closed.is_set():
                 return
-            self._sync(self._commits)
+            try:
+                self._sync(self._commits)
+            except Exception:  # a server out of reach: the next lazy commit tries again (and its own error shows)
+                log.warning("the state's flush failed", exc_info=True)
             self._closed.wait(FLUSH_S)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
@@ -282,7 +415,7 @@ class Database:
             current = migration.version
         return current
 
-    def purge(self) -> None:
+    def purge(self, tables: Iterable[str] | None = None, *, erase: bool = True) -> None:
         """Make deleted rows physically gone from the files, the WAL included.
 
         secure_delete already overwrites deleted content (and freed pages) with zeros in the database
@@ -292,8 +425,19 @@ class Database:
 
         Grouped like the fsyncs: one checkpoint begun after the caller's commits covers them all, so
         revocations committing at once share a checkpoint instead of queueing one each behind the lock.
+
+        On a PostgreSQL server (no secure_delete) the cost is a rewrite of the tables, so it is paid only
+        where it is promised: `erase` (content a revocation forgot, which it then scans for) rewrites
+        `tables` (None: every table); without it (a closed session's rows) see `sandboxd.pg.reclaim`.
         """
+        if self.url is not None and not erase:
+            self._reclaim()
+            return
         with self._purge_cond:
+            if tables is None:
+                self._purge_all = True
+            else:
+                self._purge_tables.update(tables)
             # The checkpoint in flight, if any, may have begun before the caller's last write: the next one.
             wanted = self._purges_begun + 1
             while self._purges_done < wanted:
@@ -302,21 +446,36 @@ class Database:
                     continue
                 self._purging = True
                 self._purges_begun += 1
+                # This purge covers the tables of every caller waiting for it.
+                group = None if self._purge_all else sorted(self._purge_tables)
+                self._purge_all, self._purge_tables = False, set()
                 self._purge_cond.release()
                 try:
-                    self._checkpoint()
+                    self._checkpoint(group)
                 finally:
                     self._purge_cond.acquire()
                     self._purging = False
                     self._purges_done = self._purges_begun
                     self._purge_cond.notify_all()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, tables: list[str] | None) -> None:
         with self._writing() as conn:
             if self.url is not None:
-                self.conn.purge()  # no secure_delete there: see `sandboxd.pg`
+                self.conn.purge(tables)  # no secure_delete there: see `sandboxd.pg`
                 return
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def _reclaim(self) -> None:
+        # Outside the writer lock, on a connection of its own: a plain VACUUM blocks no writer, here or
+        # on any other daemon, and the daemon's transactions go on meanwhile.
+        with self._reclaim_lock:
+            if self._reclaimer is None:
+                from sandboxd import pg
+
+                self._reclaimer = pg.Connection(self.url or "")
+                with self.lock:
+                    self._closing.append(self._reclaimer)
+            self._reclaimer.reclaim()
 
     def vacuum(self) -> None:
         """Rewrite the whole database (and empty the WAL): the last resort when a scan still finds a value."""
@@ -327,6 +486,9 @@ class Database:
     def close(self) -> None:
         self._closed.set()
         self._unsynced.set()
+        with self._sync_cond:  # a flush in flight on a server connection finishes before it closes
+            while self._syncing:
+                self._sync_cond.wait()
         with self.lock:
             for reader in [*self._readers, *self._closing]:
                 reader.close()

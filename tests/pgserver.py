@@ -54,11 +54,18 @@ class PgServer:
                 os.chown(path, entry.pw_uid, entry.pw_gid)
         self._run(_bin("initdb"), "-D", str(self.data), "-U", self.user, "--auth=trust", "-E", "UTF8",
                   "--no-sync")
+        self.start()
+        self.url = f"postgresql://{self.user}@/postgres?host={self.sockets}"
+
+    def start(self) -> None:
         # No TCP listener: the socket directory is the only way in. fsync stays on (durability is the point).
         options = f"-c listen_addresses='' -c unix_socket_directories={self.sockets} -c max_connections=200"
         self._run(_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.root / "server.log"), "-o", options,
                   "-w", "start")
-        self.url = f"postgresql://{self.user}@/postgres?host={self.sockets}"
+
+    def crash(self) -> None:
+        """Stop the server as a crash would (immediate: no checkpoint, no flush of what is not on disk)."""
+        self._run(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
     def _run(self, *argv: str | None) -> None:
         command = [a for a in argv if a is not None]

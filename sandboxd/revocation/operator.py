@@ -180,6 +180,7 @@ class RevocationOperator:
             # A log line is prose: a value too short to be told from it is left in it (see erasure.distinctive).
             scrub_log(self.log_path, ForgetFilter([fp for fp in forget.fingerprints if fp.length >= MIN_NEEDLE_BYTES],
                                                   self.forgotten.salt))
+        # Every table: the commit deleted the old suffix's rows across the provenance tables too.
         self.db.purge()
         if target is None:
             return LeakScan(skipped=["the leak scan: the target was lost with the process that held it"])

@@ -174,7 +174,7 @@ class Revocations:
         with self.db.transaction():
             self.db.update("revocations", {"revocation_id": revocation_id}, state=state, error=reason, target=None,
                            pieces=None)
-        self.db.purge()
+        self.db.purge(["revocations"])
 
     def rolled_back(self, session_id: str, branch: str, gone: Callable[[RevocationRow], bool]) -> list[str]:
         """Pending revocations whose source (or splice point) a rollback removed are cancelled; returns them."""

@@ -2,7 +2,9 @@
 
 Exactly-once across nodes: the agent's retries of the same sends go to either daemon, concurrently; the
 sink receives each intent once. A daemon killed mid-send leaves its call in flight: the other daemon
-finds no live owner for it and refuses it as `unknown` instead of sending it again.
+finds no live owner for it and refuses it as `unknown` instead of sending it again. Sessions' sandbox
+calls, whose records no longer wait for other sessions' (`Database.transaction(session=...)`), run on
+both daemons meanwhile: each session's records are numbered without a gap, and the sends stay once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from sandboxd.client import RemoteError
@@ -96,3 +99,41 @@ def test_a_daemon_killed_mid_send_leaves_an_unknown_call_the_other_never_resends
         b.client().call(session, "send_email", mail(7), call_id="m7")
     assert refused.value.code == ErrorCode.CALL_UNKNOWN
     assert smtp.count == 1
+
+
+def test_sessions_calls_on_both_daemons_run_beside_racing_sends(two_daemons: tuple[DaemonProcess, DaemonProcess],
+                                                                 smtp: SlowSmtpSink, pg_url: str) -> None:
+    a, b = two_daemons
+    smtp.delay = 0.0
+    sessions = [(daemon, daemon.client().open_session().session_id) for daemon in (a, a, b, b)]
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def work(daemon: DaemonProcess, sid: str) -> None:
+        client = daemon.client()
+        for i in range(8):
+            client.call(sid, "write_file", {"path": f"f{i}.txt", "content": f"{sid} {i}"}, call_id=f"w{i}")
+
+    def send(daemon: DaemonProcess, i: int) -> None:
+        try:  # the agent's retries of send m<i> of the first session, to whichever daemon
+            outcome = daemon.client().call(sessions[0][1], "send_email", mail(i % 4), call_id=f"m{i % 4}").state
+        except RemoteError as error:
+            outcome = error.code.value
+        with lock:
+            outcomes.append(outcome)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in sessions]
+    threads += [threading.Thread(target=send, args=(a if i % 2 else b, i)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert smtp.count == 4, outcomes
+    assert set(outcomes) <= {"done", ErrorCode.INVALID_STATE.value}
+    with psycopg.connect(pg_url) as state:
+        for _, sid in sessions:
+            rows = state.execute("SELECT seq, status FROM calls WHERE session_id = %s ORDER BY seq", [sid]).fetchall()
+            assert rows == [(i, "done") for i in range(1, 9)], sid
+    daemon, sid = sessions[2]
+    again = daemon.client().call(sid, "write_file", {"path": "f3.txt", "content": f"{sid} 3"}, call_id="w3")
+    assert again.replayed  # answered from its record, not run again

@@ -120,23 +120,25 @@ def test_purges_asked_for_during_a_checkpoint_share_the_next_one(tmp_path_factor
     db = Database(tmp_path_factory.mktemp("db") / "state.db", SCHEMA)
     real, held, release = db._checkpoint, threading.Event(), threading.Event()
     began: list[int] = []
+    covered: list[list[str] | None] = []
 
-    def counted() -> None:
+    def counted(tables: list[str] | None) -> None:
         began.append(db.value("SELECT COUNT(*) FROM t"))
+        covered.append(tables)
         if len(began) == 1:
             held.set()
             assert release.wait(30)
-        real()
+        real(tables)
 
     db._checkpoint = counted  # type: ignore[method-assign]
-    first = in_thread(db.purge)
+    first = in_thread(lambda: db.purge(["first"]))
     assert held.wait(30)
 
     def write_then_purge(k: int) -> Callable[[], None]:
         def run() -> None:
             with db.transaction():
                 db.execute("INSERT INTO t VALUES (?, 'x')", [k])
-            db.purge()
+            db.purge([f"t{k}"])
         return run
 
     others = [in_thread(write_then_purge(k)) for k in range(callers)]
@@ -147,4 +149,6 @@ def test_purges_asked_for_during_a_checkpoint_share_the_next_one(tmp_path_factor
         assert not thread.is_alive()
     # The first checkpoint began before their writes; the second, shared, after all of them.
     assert began == [0, callers]
+    # ... and it covers the tables every one of them named (on a server, each is rewritten).
+    assert covered == [["first"], sorted(f"t{k}" for k in range(callers))]
     db.close()
