@@ -435,13 +435,19 @@ def read_file(req: dict[str, Any]) -> dict[str, Any]:
     into replacement characters: the call fails and says how to copy it out instead."""
     cap = int(req["max_bytes"])
     data, st = _read_at(req, 0, cap + 1)
+    return file_reply(req["path"], data, st, cap)
+
+
+def file_reply(path: str, data: bytes, st: os.stat_result, cap: int) -> dict[str, Any]:
+    """read_file's reply for `data`, the first cap + 1 bytes of the file `path` names (the daemon builds the
+    reply of a read it serves from the host with this same function: sandboxd.sandbox.hostread)."""
     cut = len(data) > cap
     text = _text(data[:cap], cut)
     size = max(st.st_size, len(data))
     if text is None:
         return {"exit_code": 1, "stdout": "", "stdout_size": size, "stderr": (
-            f"{req['path']} is a binary file ({size} bytes), not shown as text; copy it out with "
-            f"`sandboxd cp SESSION:{req['path']} LOCAL_PATH`\n")}
+            f"{path} is a binary file ({size} bytes), not shown as text; copy it out with "
+            f"`sandboxd cp SESSION:{path} LOCAL_PATH`\n")}
     return {"exit_code": 0, "stdout": text, "stderr": "", "stdout_truncated": cut, "stdout_size": size}
 
 
