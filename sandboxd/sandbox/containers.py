@@ -238,12 +238,14 @@ class ContainerManager:
 
     def request(self, session_id: str, payload: dict[str, Any], timeout: float,
                 on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
-        """One request to the session's executor (a read_file the host can answer as it would: answered so)."""
+        """One request to the session's executor (a read the host can answer as it would: answered so)."""
         channel = self.channel(session_id)
+        reader, op = self._host_reader, payload.get("op")
+        read = (reader.read_file if op == "read_file" else reader.list_dir if op == "list_dir" else None) \
+            if reader is not None else None
         # Only while the executor is connected and alive, so a dead sandbox fails a read as it fails a shell.
-        if payload.get("op") == "read_file" and self._host_reader is not None and channel.alive():
-            workspace = self._workspace(session_id)
-            if workspace is not None and (reply := self._host_reader.read_file(workspace, payload)) is not None:
+        if read is not None and channel.alive() and (workspace := self._workspace(session_id)) is not None:
+            if (reply := read(workspace, payload)) is not None:
                 return reply
         return channel.request(payload, timeout, on_output)
 

@@ -494,15 +494,22 @@ def list_dir(req: dict[str, Any]) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise ToolFailure("not_found", f"no such directory: {req.get('path')}", path=req.get("path"))
     root = workspace_root()
-    rows = []
+    entries = []
     walker = os.walk(path) if req.get("recursive") else [(path, None, None)]
     for base, _, _ in walker:
         for name in sorted(os.listdir(base)):
             full = os.path.join(base, name)
-            st = os.lstat(full)
-            kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
-            rows.append({"path": os.path.relpath(full, root), "type": kind, "size": st.st_size,
-                         "mode": oct(stat.S_IMODE(st.st_mode))})
+            entries.append((os.path.relpath(full, root), os.lstat(full)))
+    return listing_reply(entries)
+
+
+def listing_reply(entries: list[tuple[str, os.stat_result]]) -> dict[str, Any]:
+    """list_dir's reply for these entries (path relative to the workspace, lstat); the daemon builds the
+    reply of a listing it serves from the host with this same function: sandboxd.sandbox.hostread."""
+    rows = []
+    for path, st in entries:
+        kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+        rows.append({"path": path, "type": kind, "size": st.st_size, "mode": oct(stat.S_IMODE(st.st_mode))})
     rows.sort(key=lambda r: str(r["path"]))
     text = "\n".join(json.dumps(r, sort_keys=True) for r in rows)
     return {"exit_code": 0, "stdout": text, "stderr": ""}

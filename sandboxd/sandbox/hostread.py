@@ -1,4 +1,4 @@
-"""`read_file` answered from the host, through the workspace's host directory, without a round trip into
+"""`read_file` and `list_dir` answered from the host, through the workspace's host directory, without a round trip into
 the container; or not at all (None), and the executor answers as before.
 
 Only where the answer is provably the executor's own: the same bytes of the same file, read with the
@@ -30,6 +30,8 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,25 +71,12 @@ class HostReader:
 
     def read_file(self, workspace: Path, req: dict[str, Any]) -> dict[str, Any] | None:
         """The executor's reply to this read_file request, or None when only the executor can give it."""
-        if not self.usable:
+        path = _relative(req["path"])
+        if not self.usable or path in (None, "."):
             return None
-        path = req["path"]
-        if path == executor.WORKSPACE or path.startswith(executor.WORKSPACE + "/"):
-            path = path[len(executor.WORKSPACE):]
-        elif path.startswith("/"):
-            return None  # refused by the executor as an escape
-        path = path.lstrip("/")
-        if not path or "\x00" in path:
-            return None
-        try:
-            root = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            fd = self._open_as_sandbox_user(root, path)
-        finally:
-            os.close(root)
-        if fd is None:
+        with self._workspace(workspace) as root, self._as_sandbox_user() as switched:
+            fd = self._open(root, path, _FLAGS) if switched and root >= 0 else -1
+        if fd < 0:
             return None
         try:
             st = os.fstat(fd)
@@ -100,19 +89,65 @@ class HostReader:
         finally:
             os.close(fd)
 
-    def _open_as_sandbox_user(self, root: int, path: str) -> int | None:
-        how = _OpenHow(_FLAGS, 0, _RESOLVE)
-        groups = (ctypes.c_uint32 * 1)(self.gid)
+    def list_dir(self, workspace: Path, req: dict[str, Any]) -> dict[str, Any] | None:
+        """The executor's reply to a (non-recursive) list_dir request, or None when only the executor can give
+        it. The entries are read and lstat'ed as the sandbox user too: a directory it may read but not search
+        lists its names there, and fails on their lstat."""
+        path = _relative(req.get("path") or ".")
+        if not self.usable or path is None or req.get("recursive"):
+            return None  # os.walk's way with unreadable subdirectories is the executor's to keep
+        with self._workspace(workspace) as root:
+            with self._as_sandbox_user() as switched:
+                fd = self._open(root, path, _FLAGS | os.O_DIRECTORY) if switched and root >= 0 else -1
+                try:
+                    names = os.listdir(fd) if fd >= 0 else None
+                    stats = [(name, os.stat(name, dir_fd=fd, follow_symlinks=False)) for name in names or ()]
+                except OSError:
+                    names = None
+            if names is None:
+                if fd >= 0:
+                    os.close(fd)
+                return None
+            try:
+                # Where the walk ended, as the container's realpath would name it relative to /workspace.
+                top, base = os.readlink(f"/proc/self/fd/{root}"), os.readlink(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+        if base != top and not base.startswith(top + "/"):
+            return None
+        return executor.listing_reply([(os.path.relpath(os.path.join(base, name), top), st) for name, st in stats])
+
+    @contextmanager
+    def _workspace(self, workspace: Path) -> Iterator[int]:
+        """The workspace's host directory, never through a symlink (-1 where it cannot be opened)."""
+        try:
+            root = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            root = -1
+        try:
+            yield root
+        finally:
+            if root >= 0:
+                os.close(root)
+
+    def _open(self, root: int, path: str, flags: int) -> int:
+        how = _OpenHow(flags, 0, _RESOLVE)
+        return self._syscall(_SYS_OPENAT2, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+
+    @contextmanager
+    def _as_sandbox_user(self) -> Iterator[bool]:
+        """This thread's file-system identity is the sandbox user's within the block (False: it could not be)."""
         saved = os.getgroups()
         sys = self._syscall
         # Order matters: the groups need CAP_SETGID, which a non-zero fsuid does not drop but is restored last.
-        if sys(_SYS_SETGROUPS, 1, groups) != 0:
-            return None
+        if sys(_SYS_SETGROUPS, 1, (ctypes.c_uint32 * 1)(self.gid)) != 0:
+            yield False
+            return
         try:
             sys(_SYS_SETFSGID, self.gid)
             sys(_SYS_SETFSUID, self.uid)
             try:
-                fd = sys(_SYS_OPENAT2, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+                yield True
             finally:
                 sys(_SYS_SETFSUID, 0)
                 sys(_SYS_SETFSGID, 0)
@@ -125,7 +160,17 @@ class HostReader:
         # loudly (sandboxd.server).
         if sys(_SYS_SETFSUID, -1) != 0 or sys(_SYS_SETFSGID, -1) != 0:
             raise AssertionError("this thread's file-system identity was not restored")
-        return int(fd) if fd >= 0 else None  # any failure: the executor answers, in its own words
+
+
+def _relative(path: str) -> str | None:
+    """A tool's path relative to the workspace ("." for itself), or None for one the executor refuses."""
+    if path == executor.WORKSPACE or path.startswith(executor.WORKSPACE + "/"):
+        path = path[len(executor.WORKSPACE):]
+    elif path.startswith("/"):
+        return None  # refused by the executor as an escape
+    if "\x00" in path:
+        return None
+    return path.lstrip("/") or "."
 
 
 def _read_up_to(fd: int, size: int) -> bytes:

@@ -167,6 +167,12 @@ def test_a_read_answers_as_the_executor_does_whichever_side_serves_it(client: Cl
             assert result.exit_code == 1 and result.stdout == "" and "binary file" in result.stderr, name
         else:
             assert result.stdout.encode() == data and result.exit_code == 0, name
+    # A listing (served from the host under runc) is the recursive one's (always the executor's) children.
+    shell(client, session, "chmod 700 closed")  # searchable again: a recursive listing fails on what it cannot lstat
+    every = [json.loads(row) for row in client.call(session, "list_dir", {"recursive": True}).stdout.splitlines()]
+    for where, prefix in ((".", ""), ("d", "d/"), ("/workspace/d", "d/"), ("abs_in/..", "d/")):
+        rows = [json.loads(row) for row in client.call(session, "list_dir", {"path": where}).stdout.splitlines()]
+        assert rows == [r for r in every if r["path"].startswith(prefix) and "/" not in r["path"][len(prefix):]], where
 
 
 def _utf8(data: bytes) -> bool:

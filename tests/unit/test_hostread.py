@@ -68,6 +68,61 @@ def test_a_host_read_is_the_executors_reply_byte_for_byte(tmp_path_factory: pyte
     assert reader.read_file(ws, via_link) == expected_via_link
 
 
+
+@root_only
+@settings(max_examples=100, deadline=None)
+@given(names=st.lists(_names, min_size=0, max_size=8, unique=True),
+       kinds=st.lists(st.sampled_from(["file", "dir", "link-in", "link-out", "fifo", "private"]), min_size=8,
+                      max_size=8),
+       where=st.sampled_from([None, ".", "sub", "/workspace", "/workspace/sub", "link/", "sub/../sub"]))
+def test_a_host_listing_is_the_executors_reply_byte_for_byte(tmp_path_factory: pytest.TempPathFactory,
+                                                             names: list[str], kinds: list[str],
+                                                             where: str | None) -> None:
+    base = tmp_path_factory.mktemp("base")
+    base.chmod(0o755)
+    ws = base / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "link").symlink_to("sub")
+    for name, kind in zip(names, kinds, strict=False):  # more kinds than names
+        entry = ws / "sub" / name
+        if kind == "file":
+            entry.write_bytes(name.encode() * 3)
+        elif kind == "dir":
+            entry.mkdir()
+        elif kind == "link-in":
+            entry.symlink_to("..")
+        elif kind == "link-out":
+            entry.symlink_to("/etc/passwd")
+        elif kind == "fifo":
+            os.mkfifo(entry)
+        else:
+            entry.write_text("x")
+            entry.chmod(0o600)
+    req = {"op": "list_dir", **({} if where is None else {"path": where}), "recursive": False}
+    token = executor._workspace.set(str(ws))
+    try:
+        expected = executor.handle(executor.json.dumps(req).encode())
+    finally:
+        executor._workspace.reset(token)
+    assert HostReader(UID, GID).list_dir(ws, req) == expected
+
+
+@root_only
+def test_a_listing_only_the_executor_can_answer_is_left_to_it(workspace: Path) -> None:
+    (workspace / "d").mkdir()
+    (workspace / "d" / "f").write_text("x")
+    (workspace / "out").symlink_to("..")
+    (workspace / "abs").symlink_to("/workspace/d")
+    (workspace / "nosearch").mkdir()
+    (workspace / "nosearch" / "f").write_text("x")
+    (workspace / "nosearch").chmod(0o744)  # the sandbox user reads the names but cannot lstat them
+    (workspace / "noread").mkdir(mode=0o711)
+    reader = HostReader(UID, GID)
+    assert reader.list_dir(workspace, {"path": "d"}) is not None
+    for path in ("out", "abs", "nosearch", "noread", "d/f", "missing", "/etc", "../x"):
+        assert reader.list_dir(workspace, {"path": path}) is None, path
+    assert reader.list_dir(workspace, {"path": "d", "recursive": True}) is None
+
 @root_only
 def test_whatever_only_the_executor_can_answer_is_left_to_it(workspace: Path) -> None:
     """Escapes, absolute symlinks, directories, FIFOs, missing files and files the sandbox user may not read:
