@@ -174,12 +174,20 @@ def _collect(proc: _Child, pipes: dict[int, str], stdin: tuple[int, bytes] | Non
             os.close(feed)
             feed = -1
 
+    delay = 0.0005
     try:
         # Until both pipes close and the tool has exited: a backgrounded grandchild may hold the pipes open
-        # after the tool ends (see the grace below). Without a pidfd, exit is polled for every 50 ms.
+        # after the tool ends (see the grace below). Without a pidfd (gVisor has none) exit is polled for:
+        # every 50 ms while a pipe is open; once both closed (the tool is exiting) in steps growing from
+        # 0.5 ms, as Popen.wait does.
         while (pipes or not exited) and (remaining := deadline - time.monotonic()) > 0:
-            wait_ms = remaining * 1000 if pidfd is not None else min(remaining, 0.05) * 1000
-            for fd, events in poller.poll(wait_ms):
+            if pidfd is not None:
+                wait_s = remaining
+            elif pipes:
+                wait_s = min(remaining, 0.05)
+            else:
+                wait_s, delay = min(remaining, delay), min(delay * 2, 0.05)
+            for fd, events in poller.poll(wait_s * 1000):
                 if fd == pidfd:
                     poller.unregister(fd)
                     pidfd_done = True
