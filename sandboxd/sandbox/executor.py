@@ -623,7 +623,8 @@ def main() -> None:
     parser.add_argument("--socket", required=True)
     args = parser.parse_args()
     global _serving_in_sandbox, _spawn_directly
-    _serving_in_sandbox = _spawn_directly = True
+    _serving_in_sandbox = True
+    _spawn_directly = hasattr(os, "waitstatus_to_exitcode")  # Python 3.9 and later; a custom image may be older
     # Not dumpable: a tool runs as the same user and could otherwise ptrace the executor, and with it
     # forge replies or survive the reaping between calls. A tool's own exec makes it dumpable again.
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
