@@ -251,14 +251,21 @@ class ContainerManager:
 
     def _workspace(self, session_id: str) -> Path | None:
         """The host directory that is the session's /workspace: from `create`, or after a daemon restart from
-        the container's bind of /sandbox (None where there is none)."""
+        the container's bind of /sandbox, once the directory the engine names is seen to be the one the
+        container holds (None where it is not: the daemon may see the host's paths otherwise than the engine)."""
         with self._lock:
             if session_id in self._workspaces:
                 return self._workspaces[session_id]
-        container = self.container(session_id)
-        mounts = container.attrs.get("Mounts") or [] if container is not None else []
-        root = next((m.get("Source") for m in mounts if m.get("Destination") == "/sandbox"), None)
-        workspace = Path(root) / "ws" if root else None
+        container, workspace = self.container(session_id), None
+        if container is not None and container.status == "running":
+            mounts = container.attrs.get("Mounts") or []
+            root = next((m.get("Source") for m in mounts if m.get("Destination") == "/sandbox"), None)
+            try:
+                here, there = os.stat(str(root)), os.stat(f"/proc/{container.attrs['State']['Pid']}/root/sandbox")
+                if root and (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+                    workspace = Path(root) / "ws"
+            except (OSError, KeyError):
+                pass
         with self._lock:
             self._workspaces[session_id] = workspace
         return workspace

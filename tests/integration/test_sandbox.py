@@ -10,6 +10,8 @@ import pytest
 
 import docker
 from sandboxd.client import Client, RemoteError
+from sandboxd.config import load_config
+from sandboxd.sandbox.containers import ContainerManager
 from tests.integration.conftest import DaemonProcess, both_runtimes
 
 pytestmark = [pytest.mark.docker, both_runtimes]
@@ -174,6 +176,20 @@ def test_a_read_answers_as_the_executor_does_whichever_side_serves_it(client: Cl
         rows = [json.loads(row) for row in client.call(session, "list_dir", {"path": where}).stdout.splitlines()]
         assert rows == [r for r in every if r["path"].startswith(prefix) and "/" not in r["path"][len(prefix):]], where
 
+
+
+def test_after_a_restart_reads_find_the_workspace_the_container_holds(daemon: DaemonProcess, client: Client,
+                                                                     session: str, runtime: str) -> None:
+    """A daemon killed and started again learns a session's workspace from the engine, and uses it only once
+    it is seen to be the directory the container holds."""
+    shell(client, session, "echo kept > k")
+    daemon.kill()
+    daemon.start()
+    assert daemon.client().call(session, "read_file", {"path": "k"}).stdout == "kept\n"
+    if runtime == "runc":
+        manager = ContainerManager(load_config(state_dir=str(daemon.state_dir), runtime=runtime))
+        found = manager._workspace(session)
+        assert found is not None and (found / "k").read_text() == "kept\n"
 
 def _utf8(data: bytes) -> bool:
     try:
