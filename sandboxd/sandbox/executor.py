@@ -317,7 +317,7 @@ def _start(argv: list[str], env: dict[str, str], cwd: str, stdin: int | None, ou
            script: int | None) -> _Child:
     """Start the tool in a session of its own on these descriptors (stdin None: /dev/null).
 
-    In the sandbox: posix_spawn (a vfork and exec, with none of Popen's Python around it; 0.1 to 0.3 ms
+    In the sandbox: posix_spawn (a vfork and exec, with none of Popen's Python around it: ~0.1 ms
     a call). It cannot change directory, so the executor does around it: it is alone in its process.
     Run in-process by the daemon (LocalSandbox, many threads), a chdir would move every thread: Popen."""
     if not _spawn_directly:
