@@ -72,6 +72,7 @@ def main() -> None:
                   + (f", of which the executor's run_process {pct(inside, 50) * 1000:6.3f}" if any(inside) else ""))
     finally:
         service.handle(p.CloseSessionRequest(request_id="close", session_id=sid), LOCAL_PEER)
+        service.sessions.stop_all()  # as the daemon stops: the store's mounts go, then its directory can
         service.db.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
