@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 import threading
@@ -56,6 +57,16 @@ class ExecutorChannel:
             except (OSError, ValueError) as exc:
                 self._close()
                 raise SandboxUnavailable(f"executor channel failed: {exc}", socket=str(self.socket_path)) from exc
+
+    def alive(self) -> bool:
+        """Whether the connection is open and the executor has not closed its end (it exited, or its
+        container stopped): one poll, no round trip."""
+        with self._lock:
+            if self._sock is None:
+                return False
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN | select.POLLRDHUP)
+            return not poller.poll(0)  # between requests nothing is due: any event is an end or garbage
 
     def close(self) -> None:
         with self._lock:

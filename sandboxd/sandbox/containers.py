@@ -32,6 +32,7 @@ from sandboxd.config import DaemonConfig
 from sandboxd.errors import SandboxUnavailable
 from sandboxd.revocation.leakscan import LeakReport, scan_inside, scan_paths
 from sandboxd.sandbox.channel import ExecutorChannel
+from sandboxd.sandbox.hostread import HostReader
 from snapshots.base import write_atomic
 
 SOCKET_IN_CONTAINER = "/run/sandboxd/exec.sock"
@@ -85,6 +86,8 @@ class ContainerManager:
         self._lock = threading.Lock()
         self.runtime = config.sandbox.runtime
         self._install_executor()
+        self._workspaces: dict[str, Path | None] = {}
+        self._host_reader = self._make_host_reader()
 
     def check_runtime(self) -> None:
         """Refuse to start on an engine that does not offer the configured runtime as sandboxes need it."""
@@ -98,6 +101,15 @@ class ContainerManager:
         missing = [f"{arg} ({why})" for arg, why in RUNSC_ARGS.items() if arg not in args]
         if missing:
             raise SandboxUnavailable(f"the engine's {self.runtime} runtime lacks {', '.join(missing)}: {fix}")
+
+    def _make_host_reader(self) -> HostReader | None:
+        """Reads served from the host where they are the executor's own (see sandboxd.sandbox.hostread)."""
+        if self.runtime != "runc":
+            return None
+        if any("userns" in option for option in self.client.info().get("SecurityOptions") or []):
+            return None
+        reader = HostReader(*self.owner())
+        return reader if reader.usable else None
 
     def _install_executor(self) -> None:
         self.bin_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +167,8 @@ class ContainerManager:
         except docker.errors.APIError as exc:
             raise SandboxUnavailable(f"could not create the sandbox: {exc.explanation or exc}") from exc
         self._wait_ready(session_id, container)
+        with self._lock:
+            self._workspaces[session_id] = mount_root / "ws"
         return str(container.id)
 
     def _clear_socket(self, session_id: str) -> None:
@@ -224,8 +238,37 @@ class ContainerManager:
 
     def request(self, session_id: str, payload: dict[str, Any], timeout: float,
                 on_output: Callable[[str, str], None] | None = None) -> dict[str, Any]:
-        """One request to the session's executor."""
-        return self.channel(session_id).request(payload, timeout, on_output)
+        """One request to the session's executor (a read the host can answer as it would: answered so)."""
+        channel = self.channel(session_id)
+        reader, op = self._host_reader, payload.get("op")
+        read = (reader.read_file if op == "read_file" else reader.list_dir if op == "list_dir" else None) \
+            if reader is not None else None
+        # Only while the executor is connected and alive, so a dead sandbox fails a read as it fails a shell.
+        if read is not None and channel.alive() and (workspace := self._workspace(session_id)) is not None:
+            if (reply := read(workspace, payload)) is not None:
+                return reply
+        return channel.request(payload, timeout, on_output)
+
+    def _workspace(self, session_id: str) -> Path | None:
+        """The host directory that is the session's /workspace: from `create`, or after a daemon restart from
+        the container's bind of /sandbox, once the directory the engine names is seen to be the one the
+        container holds (None where it is not: the daemon may see the host's paths otherwise than the engine)."""
+        with self._lock:
+            if session_id in self._workspaces:
+                return self._workspaces[session_id]
+        container, workspace = self.container(session_id), None
+        if container is not None and container.status == "running":
+            mounts = container.attrs.get("Mounts") or []
+            root = next((m.get("Source") for m in mounts if m.get("Destination") == "/sandbox"), None)
+            try:
+                here, there = os.stat(str(root)), os.stat(f"/proc/{container.attrs['State']['Pid']}/root/sandbox")
+                if root and (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+                    workspace = Path(root) / "ws"
+            except (OSError, KeyError):
+                pass
+        with self._lock:
+            self._workspaces[session_id] = workspace
+        return workspace
 
     def ensure_running(self, session_id: str) -> bool:
         """Start the session's container if it stopped, restart it if its executor does not answer;
@@ -261,6 +304,7 @@ class ContainerManager:
         """Remove the container and its control directory; a missing container is fine."""
         with self._lock:
             chan = self._channels.pop(session_id, None)
+            self._workspaces.pop(session_id, None)
         if chan is not None:
             chan.close()
         try:

@@ -19,10 +19,11 @@ import base64
 import codecs
 import contextvars
 import ctypes
+import errno
 import glob
 import json
 import os
-import selectors
+import select
 import shutil
 import signal
 import socket
@@ -31,9 +32,8 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 WORKSPACE = "/workspace"
 # The workspace of the call being served: /workspace in a sandbox; a directory of the daemon's when the
@@ -45,6 +45,8 @@ MAX_REQUEST = 64 * 1024 * 1024
 _emit: contextvars.ContextVar[Any] = contextvars.ContextVar("emit", default=None)
 _serving_in_sandbox = False
 """Set by `main`: the process serves a sandbox, so after a call every other process of its user is a leftover."""
+_spawn_directly = False
+"""Set by `main`: the process is the executor alone, so it may change directory around a posix_spawn."""
 
 
 class ToolFailure(Exception):
@@ -112,63 +114,114 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _read_capped(proc: subprocess.Popen[bytes], cap: int, deadline: float,
-                 emit: Any = None) -> tuple[bytes, bytes, dict[str, int]]:
-    """Drain stdout/stderr up to `cap` bytes each until exit or deadline; returns both and their full sizes.
+class _Spawned:
+    """A tool started with posix_spawn: what the executor needs of a `subprocess.Popen`, reaped by pid."""
 
-    The tool's exit is an event of the same select (a pidfd), not something polled for: Popen.wait with
-    a timeout sleeps in steps of 0.5 to 50 ms, which was most of a short call's time.
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+class _Child(Protocol):
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self) -> int: ...
+
+
+def _collect(proc: _Child, pipes: dict[int, str], stdin: tuple[int, bytes] | None, cap: int, deadline: float,
+             emit: Any = None) -> tuple[bytes, bytes, dict[str, int]]:
+    """Feed stdin and drain stdout/stderr (`pipes`: fd -> "out"/"err") up to `cap` bytes each until exit or
+    deadline; returns both and their full sizes.
+
+    One poll loop on raw descriptors, no thread: the tool's exit is an event of the same poll (a pidfd), not
+    something polled for (Popen.wait with a timeout sleeps in steps of 0.5 to 50 ms, which was most of a
+    short call's time), and stdin is written as the pipe takes it (a feeder thread per call cost a thread
+    start, and could not start at all at the pids limit).
     With `emit`, every chunk is also handed to it as it comes, as text (stream, text)."""
     bufs = {"out": bytearray(), "err": bytearray()}
     sizes = {"out": 0, "err": 0}
-    decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in bufs}
-    sel = selectors.DefaultSelector()
-    assert proc.stdout is not None and proc.stderr is not None
-    sel.register(proc.stdout, selectors.EVENT_READ, "out")
-    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name in bufs} if emit else {}
+    poller = select.poll()
+    for fd in pipes:
+        poller.register(fd, select.POLLIN)
+    feed, fed = (stdin[0], memoryview(stdin[1])) if stdin else (-1, memoryview(b""))
+    if feed >= 0:
+        os.set_blocking(feed, False)
+        poller.register(feed, select.POLLOUT)
     pidfd = _pidfd(proc.pid)
     if pidfd is not None:
-        sel.register(pidfd, selectors.EVENT_READ, "exit")
-    exited = False
+        poller.register(pidfd, select.POLLIN)
+    exited = pidfd_done = False
 
-    def waiting() -> bool:  # a pipe still open, or (with a pidfd) the tool not yet exited
-        return any(key.data != "exit" for key in sel.get_map().values()) or (pidfd is not None and not exited)
+    def close_feed() -> None:
+        nonlocal feed
+        if feed >= 0:
+            poller.unregister(feed)
+            os.close(feed)
+            feed = -1
 
+    delay = 0.0005
     try:
-        while waiting() and (remaining := deadline - time.monotonic()) > 0:
-            # Without a pidfd, poll for exit too: a backgrounded grandchild may hold the pipes open after
-            # the tool ends.
-            for key, _ in sel.select(timeout=remaining if pidfd is not None else min(remaining, 0.05)):
-                if key.data == "exit":
-                    sel.unregister(key.fileobj)
-                    continue
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    continue
-                buf = bufs[key.data]
-                room = cap - len(buf)
-                if room > 0:
-                    buf.extend(chunk[:room])
-                sizes[key.data] += len(chunk)
-                if emit is not None:
-                    emit(key.data, decoders[key.data].decode(chunk))
-            if not exited and (pidfd is None or pidfd not in sel.get_map()) and proc.poll() is not None:
+        # Until both pipes close and the tool has exited: a backgrounded grandchild may hold the pipes open
+        # after the tool ends (see the grace below). Without a pidfd (gVisor has none) exit is polled for:
+        # every 50 ms while a pipe is open; once both closed (the tool is exiting) in steps growing from
+        # 0.5 ms, as Popen.wait does.
+        while (pipes or not exited) and (remaining := deadline - time.monotonic()) > 0:
+            if pidfd is not None:
+                wait_s = remaining
+            elif pipes:
+                wait_s = min(remaining, 0.05)
+            else:
+                wait_s, delay = min(remaining, delay), min(delay * 2, 0.05)
+            for fd, events in poller.poll(wait_s * 1000):
+                if fd == pidfd:
+                    poller.unregister(fd)
+                    pidfd_done = True
+                elif fd == feed:
+                    try:
+                        fed = fed[os.write(feed, fed[:65536]):] if events & select.POLLOUT else fed[:0]
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:  # the tool exited or closed its stdin without reading it all
+                        fed = fed[:0]
+                    if not fed:
+                        close_feed()
+                elif (chunk := os.read(fd, 65536)):
+                    name = pipes[fd]
+                    buf = bufs[name]
+                    if (room := cap - len(buf)) > 0:
+                        buf.extend(chunk[:room])
+                    sizes[name] += len(chunk)
+                    if emit is not None:
+                        emit(name, decoders[name].decode(chunk))
+                else:
+                    poller.unregister(fd)
+                    del pipes[fd]
+            if not exited and (pidfd is None or pidfd_done) and proc.poll() is not None:
                 exited = True
                 deadline = min(deadline, time.monotonic() + 0.1)
-        if pidfd is None and not sel.get_map() and not exited:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0))
-            except subprocess.TimeoutExpired:
-                pass
     finally:
-        sel.close()
+        close_feed()
         if pidfd is not None:
             os.close(pidfd)
     return bytes(bufs["out"]), bytes(bufs["err"]), sizes
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _kill_group(proc: _Child) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -211,15 +264,6 @@ def _leftovers() -> list[int]:
     return found
 
 
-def _feed_stdin(pipe: Any, data: bytes) -> None:
-    """Write a call's stdin; runs on its own thread so a tool that never reads it cannot stall the timeout."""
-    try:
-        pipe.write(data)
-        pipe.close()
-    except OSError:  # the tool exited or was killed without reading it all
-        pass
-
-
 def _faketime_library() -> str | None:
     found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
     return found[0] if found else None
@@ -258,6 +302,56 @@ def _script_fd(script: str | None) -> int | None:
     return fd
 
 
+def _executable(name: str, env: dict[str, str]) -> str:
+    """The file `name` runs, looked up on the tool's PATH as Popen (and a shell) would."""
+    if "/" in name:
+        return name
+    for directory in os.get_exec_path(env):
+        path = os.path.join(directory, name)
+        if os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+
+
+def _start(argv: list[str], env: dict[str, str], cwd: str, stdin: int | None, out: int, err: int,
+           script: int | None) -> _Child:
+    """Start the tool in a session of its own on these descriptors (stdin None: /dev/null).
+
+    In the sandbox: posix_spawn (a vfork and exec, with none of Popen's Python around it: ~0.1 ms
+    a call). It cannot change directory, so the executor does around it: it is alone in its process.
+    Run in-process by the daemon (LocalSandbox, many threads), a chdir would move every thread: Popen."""
+    if not _spawn_directly:
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL if stdin is None else stdin,
+                                stdout=out, stderr=err, start_new_session=True,
+                                pass_fds=() if script is None else (script,))
+    actions: list[tuple[Any, ...]] = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0) if stdin is None else (os.POSIX_SPAWN_DUP2, stdin, 0),
+        (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, err, 2)]
+    if script is not None:
+        actions.append((os.POSIX_SPAWN_DUP2, script, script))  # onto itself: clears its close-on-exec flag
+    home = os.getcwd()
+    os.chdir(cwd)
+    try:
+        # setsigdef: what Popen's restore_signals does; Python ignores SIGPIPE and SIGXFSZ, and an ignored
+        # signal stays ignored across exec (`yes | head -1` would never end).
+        return _Spawned(os.posix_spawn(_executable(argv[0], env), argv, env, file_actions=actions, setsid=True,
+                                       setsigdef=(signal.SIGPIPE, signal.SIGXFSZ)))
+    finally:
+        # Not left in the workspace: a restore swaps the workspace's mount, which a cwd inside would hold.
+        os.chdir(home)
+
+
+def inherit_nothing() -> None:
+    """Mark every descriptor but the three close-on-exec: posix_spawn closes nothing (Popen closed all but
+    the three), so whatever the container's init handed down to the executor must not reach a tool."""
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2:
+            try:
+                os.set_inheritable(int(name), False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
+
+
 def run_process(req: dict[str, Any]) -> dict[str, Any]:
     """Run argv in the workspace with stdin, a timeout and capped output."""
     timeout = float(req["timeout"])
@@ -273,31 +367,29 @@ def run_process(req: dict[str, Any]) -> dict[str, Any]:
         argv = [arg.replace("{script}", f"/proc/self/fd/{script}") for arg in argv]
     oom_before = oom_kills()
     started = time.monotonic()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    # Nothing to feed: no pipe, /dev/null.
+    in_r, in_w = os.pipe() if stdin else (None, None)
     try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            # Nothing to feed: no pipe and no feeder thread (starting one is a context switch per call).
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            pass_fds=() if script is None else (script,),
-        )
+        proc = _start(argv, env, cwd, in_r, out_w, err_w, script)
+    except BaseException:
+        for fd in (out_r, err_r, in_w):
+            if fd is not None:
+                os.close(fd)
+        raise
     finally:
-        if script is not None:
-            os.close(script)
+        for fd in (out_w, err_w, in_r, script):
+            if fd is not None:
+                os.close(fd)
     _expose_to_oom_killer(proc.pid)
-    try:
-        if proc.stdin is not None:
-            threading.Thread(target=_feed_stdin, args=(proc.stdin, stdin), daemon=True).start()
-    except RuntimeError as exc:  # no pid left for a thread: the sandbox is at its pids limit
-        _kill_group(proc)
-        proc.wait()
-        raise ToolFailure("resource_limit", f"could not start the call: {exc}", limit="pids") from exc
     emit = _emit.get() if req.get("stream") else None
-    out, err, sizes = _read_capped(proc, cap, started + timeout, emit)
+    try:
+        out, err, sizes = _collect(proc, {out_r: "out", err_r: "err"}, None if in_w is None else (in_w, stdin),
+                                   cap, started + timeout, emit)
+    finally:
+        os.close(out_r)
+        os.close(err_r)
     timed_out = proc.poll() is None
     # Kill the whole group either way: a call leaves no process behind, not even a backgrounded one.
     _kill_group(proc)
@@ -351,13 +443,19 @@ def read_file(req: dict[str, Any]) -> dict[str, Any]:
     into replacement characters: the call fails and says how to copy it out instead."""
     cap = int(req["max_bytes"])
     data, st = _read_at(req, 0, cap + 1)
+    return file_reply(req["path"], data, st, cap)
+
+
+def file_reply(path: str, data: bytes, st: os.stat_result, cap: int) -> dict[str, Any]:
+    """read_file's reply for `data`, the first cap + 1 bytes of the file `path` names (the daemon builds the
+    reply of a read it serves from the host with this same function: sandboxd.sandbox.hostread)."""
     cut = len(data) > cap
     text = _text(data[:cap], cut)
     size = max(st.st_size, len(data))
     if text is None:
         return {"exit_code": 1, "stdout": "", "stdout_size": size, "stderr": (
-            f"{req['path']} is a binary file ({size} bytes), not shown as text; copy it out with "
-            f"`sandboxd cp SESSION:{req['path']} LOCAL_PATH`\n")}
+            f"{path} is a binary file ({size} bytes), not shown as text; copy it out with "
+            f"`sandboxd cp SESSION:{path} LOCAL_PATH`\n")}
     return {"exit_code": 0, "stdout": text, "stderr": "", "stdout_truncated": cut, "stdout_size": size}
 
 
@@ -404,15 +502,22 @@ def list_dir(req: dict[str, Any]) -> dict[str, Any]:
     if not os.path.isdir(path):
         raise ToolFailure("not_found", f"no such directory: {req.get('path')}", path=req.get("path"))
     root = workspace_root()
-    rows = []
+    entries = []
     walker = os.walk(path) if req.get("recursive") else [(path, None, None)]
     for base, _, _ in walker:
         for name in sorted(os.listdir(base)):
             full = os.path.join(base, name)
-            st = os.lstat(full)
-            kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
-            rows.append({"path": os.path.relpath(full, root), "type": kind, "size": st.st_size,
-                         "mode": oct(stat.S_IMODE(st.st_mode))})
+            entries.append((os.path.relpath(full, root), os.lstat(full)))
+    return listing_reply(entries)
+
+
+def listing_reply(entries: list[tuple[str, os.stat_result]]) -> dict[str, Any]:
+    """list_dir's reply for these entries (path relative to the workspace, lstat); the daemon builds the
+    reply of a listing it serves from the host with this same function: sandboxd.sandbox.hostread."""
+    rows = []
+    for path, st in entries:
+        kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+        rows.append({"path": path, "type": kind, "size": st.st_size, "mode": oct(stat.S_IMODE(st.st_mode))})
     rows.sort(key=lambda r: str(r["path"]))
     text = "\n".join(json.dumps(r, sort_keys=True) for r in rows)
     return {"exit_code": 0, "stdout": text, "stderr": ""}
@@ -486,7 +591,6 @@ def handle(frame: bytes) -> dict[str, Any]:
     except ToolFailure as exc:
         return {"error": exc.code, "message": str(exc), "details": exc.details}
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        # RuntimeError: a thread could not start because the sandbox is at its pids limit.
         return {"error": "tool_error", "message": f"{type(exc).__name__}: {exc}"}
 
 
@@ -518,12 +622,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--socket", required=True)
     args = parser.parse_args()
-    global _serving_in_sandbox
+    global _serving_in_sandbox, _spawn_directly
     _serving_in_sandbox = True
+    _spawn_directly = hasattr(os, "waitstatus_to_exitcode")  # Python 3.9 and later; a custom image may be older
     # Not dumpable: a tool runs as the same user and could otherwise ptrace the executor, and with it
     # forge replies or survive the reaping between calls. A tool's own exec makes it dumpable again.
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    inherit_nothing()
     serve(args.socket)
 
 

@@ -10,6 +10,8 @@ import pytest
 
 import docker
 from sandboxd.client import Client, RemoteError
+from sandboxd.config import load_config
+from sandboxd.sandbox.containers import ContainerManager
 from tests.integration.conftest import DaemonProcess, both_runtimes
 
 pytestmark = [pytest.mark.docker, both_runtimes]
@@ -135,6 +137,66 @@ def test_paths_are_confined(client: Client, session: str) -> None:
     assert client.call(session, "read_file", {"path": "/workspace/d/f"}).stdout == "s\n"
     assert client.call(session, "read_file", {"path": "d/../d/f"}).stdout == "s\n"
 
+
+
+def test_a_read_answers_as_the_executor_does_whichever_side_serves_it(client: Client, session: str) -> None:
+    """Under runc a read_file is served from the host where that is provably the executor's answer
+    (sandboxd.sandbox.hostread), else by the executor: symlinks out, absolute symlinks, files the tool made
+    unreadable and generated contents read the same either way, as `cat` in the sandbox sees them."""
+    shell(client, session, "ln -s ../../etc/hostname up && ln -s /workspace/d/f abs_in && mkdir -p d && echo s > d/f"
+                           " && echo no > shut && chmod 000 shut && mkdir -p closed && echo x > closed/f"
+                           " && chmod 600 closed")
+    for bad in ("up", "abs_in/../../x"):
+        with pytest.raises(RemoteError) as err:
+            client.call(session, "read_file", {"path": bad})
+        assert err.value.wire_code == "path_escape", bad
+    assert client.call(session, "read_file", {"path": "abs_in"}).stdout == "s\n"
+    for unreadable in ("shut", "closed/f"):
+        with pytest.raises(RemoteError) as err:
+            client.call(session, "read_file", {"path": unreadable})
+        assert err.value.wire_code == "tool_error" and "Permission denied" in err.value.args[0], unreadable
+    # Generated names and contents (text, invalid UTF-8, NUL bytes, a cut multi-byte character), written
+    # by the tool itself: what read_file shows is exactly what the file holds, or it says it is binary.
+    code = ("import os, random\nrandom.seed(19)\nfor i in range(40):\n"
+            "    data = bytes(random.choice(b'ab\\n\\xc3\\xa9\\x00\\xff') for _ in range(random.randrange(300)))\n"
+            "    open(f'gen-{i}-\\u00e9', 'wb').write(data)\n")
+    client.call(session, "python", {"code": code})
+    for i in range(40):
+        name = f"gen-{i}-\u00e9"
+        data = client.copy_out(session, name).data
+        result = client.call(session, "read_file", {"path": name})
+        if b"\x00" in data or not _utf8(data):
+            assert result.exit_code == 1 and result.stdout == "" and "binary file" in result.stderr, name
+        else:
+            assert result.stdout.encode() == data and result.exit_code == 0, name
+    # A listing (served from the host under runc) is the recursive one's (always the executor's) children.
+    shell(client, session, "chmod 700 closed")  # searchable again: a recursive listing fails on what it cannot lstat
+    every = [json.loads(row) for row in client.call(session, "list_dir", {"recursive": True}).stdout.splitlines()]
+    for where, prefix in ((".", ""), ("d", "d/"), ("/workspace/d", "d/"), ("abs_in/..", "d/")):
+        rows = [json.loads(row) for row in client.call(session, "list_dir", {"path": where}).stdout.splitlines()]
+        assert rows == [r for r in every if r["path"].startswith(prefix) and "/" not in r["path"][len(prefix):]], where
+
+
+
+def test_after_a_restart_reads_find_the_workspace_the_container_holds(daemon: DaemonProcess, client: Client,
+                                                                     session: str, runtime: str) -> None:
+    """A daemon killed and started again learns a session's workspace from the engine, and uses it only once
+    it is seen to be the directory the container holds."""
+    shell(client, session, "echo kept > k")
+    daemon.kill()
+    daemon.start()
+    assert daemon.client().call(session, "read_file", {"path": "k"}).stdout == "kept\n"
+    if runtime == "runc":
+        manager = ContainerManager(load_config(state_dir=str(daemon.state_dir), runtime=runtime))
+        found = manager._workspace(session)
+        assert found is not None and (found / "k").read_text() == "kept\n"
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 def test_builtin_tools(client: Client, session: str) -> None:
     client.call(session, "write_file", {"path": "notes/a.txt", "content": "one\n"})

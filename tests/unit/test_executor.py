@@ -232,3 +232,45 @@ def test_a_call_ends_with_its_tool_whichever_way_the_exit_is_seen(tmp_path_facto
     finally:
         executor._pidfd = saved  # type: ignore[assignment]
         executor._workspace.reset(token)
+
+
+@settings(max_examples=20, deadline=None)
+@given(code=st.integers(min_value=0, max_value=255), out=st.text(alphabet="abc xyz\n", max_size=40),
+       stdin=st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=200),
+       shape=st.sampled_from(["plain", "stdin", "cwd", "fds", "sigpipe", "signalled", "env"]))
+def test_posix_spawn_starts_a_tool_as_popen_did(tmp_path_factory: pytest.TempPathFactory, code: int, out: str,
+                                                 stdin: str, shape: str) -> None:
+    """The executor spawns tools with posix_spawn (`_spawn_directly`), the daemon's in-process sandbox with
+    Popen: the same command gets the same reply from both, down to its directory, its descriptors (only the
+    three), its signal dispositions (SIGPIPE kills again) and its environment."""
+    ws = tmp_path_factory.mktemp("ws")
+    command = {"plain": f"printf '%s' '{out}'; printf e >&2; exit {code}",
+               "stdin": f"cat; exit {code}",
+               "cwd": "pwd; cd /; pwd",
+               "fds": "ls /proc/self/fd | sort -n | tr '\\n' ' '",
+               "sigpipe": "yes | head -c 3; echo \" ${PIPESTATUS:-$?}\"; (yes; echo $? >&2) | true",
+               "signalled": "kill -TERM $$",
+               "env": "env | sort"}[shape]
+    replies = []
+    executor.inherit_nothing()  # as the executor does when it starts
+    token = executor._workspace.set(str(ws))
+    try:
+        for direct in (False, True):
+            executor._spawn_directly = direct
+            home = os.getcwd()
+            reply = executor.run_process({"argv": ["/bin/sh", "-c", command], "timeout": 20, "output_bytes": 4096,
+                                          "stdin": stdin if shape == "stdin" else ""})
+            assert os.getcwd() == home  # the spawn changes directory around itself, and back
+            replies.append({k: v for k, v in reply.items() if k != "duration_ms"})
+    finally:
+        executor._spawn_directly = False
+        executor._workspace.reset(token)
+    assert replies[0] == replies[1]
+    if shape == "stdin":
+        assert replies[1]["stdout"] == stdin and replies[1]["exit_code"] == code
+    if shape == "fds":
+        assert replies[1]["stdout"].split() == ["0", "1", "2", "3"]  # 3: the directory ls reads
+    if shape == "sigpipe":
+        assert replies[1]["stderr"] == "141\n"  # yes died of SIGPIPE (128 + 13), not of an ignored write error
+    if shape == "signalled":
+        assert replies[1]["exit_code"] == -15

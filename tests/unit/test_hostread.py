@@ -1,0 +1,179 @@
+"""read_file served from the host (sandboxd.sandbox.hostread): the executor's reply, byte for byte, or none.
+
+The executor's own code is the reference, run on the same directory. Run as root (as the daemon is, so the
+reader can take the sandbox user's credentials); elsewhere the reader declines every read, which is checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sandboxd.sandbox import executor
+from sandboxd.sandbox.hostread import HostReader
+
+UID = GID = 1000  # the sandbox user of the tool image
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="taking the sandbox user's credentials needs root")
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Iterator[Path]:
+    tmp_path.chmod(0o755)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    token = executor._workspace.set(str(ws))
+    yield ws
+    executor._workspace.reset(token)
+
+
+def executor_reply(req: dict[str, object]) -> dict[str, object]:
+    return executor.handle(executor.json.dumps({"op": "read_file", **req}).encode())
+
+
+_names = st.text(st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",)), min_size=1,
+                 max_size=40).filter(lambda name: name not in (".", "..") and len(name.encode()) < 250)
+
+
+@root_only
+@settings(max_examples=150, deadline=None)
+@given(name=_names, data=st.binary(max_size=600) | st.text(max_size=300).map(str.encode),
+       cap=st.integers(min_value=1, max_value=512), nested=st.booleans(), absolute=st.booleans())
+def test_a_host_read_is_the_executors_reply_byte_for_byte(tmp_path_factory: pytest.TempPathFactory, name: str,
+                                                          data: bytes, cap: int, nested: bool,
+                                                          absolute: bool) -> None:
+    base = tmp_path_factory.mktemp("base")
+    base.chmod(0o755)
+    ws = base / "ws"
+    (ws / "sub").mkdir(parents=True)
+    target = ws / "sub" / name if nested else ws / name
+    target.write_bytes(data)
+    (ws / "link").symlink_to("sub" if nested else ".")  # a relative symlink that stays inside
+    path = ("sub/" if nested else "") + name
+    req = {"path": f"/workspace/{path}" if absolute else path, "max_bytes": cap}
+    token = executor._workspace.set(str(ws))
+    try:
+        expected = executor_reply(req)
+        via_link = {"path": f"link/{name}", "max_bytes": cap}
+        expected_via_link = executor_reply(via_link)
+    finally:
+        executor._workspace.reset(token)
+    reader = HostReader(UID, GID)
+    assert reader.read_file(ws, req) == expected
+    assert reader.read_file(ws, via_link) == expected_via_link
+
+
+
+@root_only
+@settings(max_examples=100, deadline=None)
+@given(names=st.lists(_names, min_size=0, max_size=8, unique=True),
+       kinds=st.lists(st.sampled_from(["file", "dir", "link-in", "link-out", "fifo", "private"]), min_size=8,
+                      max_size=8),
+       where=st.sampled_from([None, ".", "sub", "/workspace", "/workspace/sub", "link/", "sub/../sub"]))
+def test_a_host_listing_is_the_executors_reply_byte_for_byte(tmp_path_factory: pytest.TempPathFactory,
+                                                             names: list[str], kinds: list[str],
+                                                             where: str | None) -> None:
+    base = tmp_path_factory.mktemp("base")
+    base.chmod(0o755)
+    ws = base / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "link").symlink_to("sub")
+    for name, kind in zip(names, kinds, strict=False):  # more kinds than names
+        entry = ws / "sub" / name
+        if kind == "file":
+            entry.write_bytes(name.encode() * 3)
+        elif kind == "dir":
+            entry.mkdir()
+        elif kind == "link-in":
+            entry.symlink_to("..")
+        elif kind == "link-out":
+            entry.symlink_to("/etc/passwd")
+        elif kind == "fifo":
+            os.mkfifo(entry)
+        else:
+            entry.write_text("x")
+            entry.chmod(0o600)
+    req = {"op": "list_dir", **({} if where is None else {"path": where}), "recursive": False}
+    token = executor._workspace.set(str(ws))
+    try:
+        expected = executor.handle(executor.json.dumps(req).encode())
+    finally:
+        executor._workspace.reset(token)
+    assert HostReader(UID, GID).list_dir(ws, req) == expected
+
+
+@root_only
+def test_a_listing_only_the_executor_can_answer_is_left_to_it(workspace: Path) -> None:
+    (workspace / "d").mkdir()
+    (workspace / "d" / "f").write_text("x")
+    (workspace / "out").symlink_to("..")
+    (workspace / "abs").symlink_to("/workspace/d")
+    (workspace / "nosearch").mkdir()
+    (workspace / "nosearch" / "f").write_text("x")
+    (workspace / "nosearch").chmod(0o744)  # the sandbox user reads the names but cannot lstat them
+    (workspace / "noread").mkdir(mode=0o711)
+    reader = HostReader(UID, GID)
+    assert reader.list_dir(workspace, {"path": "d"}) is not None
+    for path in ("out", "abs", "nosearch", "noread", "d/f", "missing", "/etc", "../x"):
+        assert reader.list_dir(workspace, {"path": path}) is None, path
+    assert reader.list_dir(workspace, {"path": "d", "recursive": True}) is None
+
+@root_only
+def test_whatever_only_the_executor_can_answer_is_left_to_it(workspace: Path) -> None:
+    """Escapes, absolute symlinks, directories, FIFOs, missing files and files the sandbox user may not read:
+    the reader declines (None) and the executor answers as it always did."""
+    secret = workspace.parent / "secret"
+    secret.write_text("host secret\n")
+    (workspace / "out").symlink_to("../secret")
+    (workspace / "abs_out").symlink_to(str(secret))
+    (workspace / "abs_in").symlink_to("/workspace/plain")  # fine in the container; not provable here
+    (workspace / "plain").write_text("plain\n")
+    (workspace / "dir").mkdir()
+    os.mkfifo(workspace / "fifo")
+    (workspace / "private").write_text("root's\n")
+    (workspace / "private").chmod(0o600)
+    (workspace / "shut").mkdir()
+    (workspace / "shut" / "f").write_text("x\n")
+    (workspace / "shut").chmod(0o600)  # readable listing, no search: the file inside cannot be opened
+    reader = HostReader(UID, GID)
+    assert reader.read_file(workspace, {"path": "plain", "max_bytes": 100})["stdout"] == "plain\n"
+    for path in ("out", "abs_out", "abs_in", "dir", "fifo", "missing", "missing/../plain", "private", "shut/f",
+                 ".", "/workspace", "/etc/passwd", "../secret", "plain/"):
+        assert reader.read_file(workspace, {"path": path, "max_bytes": 100}) is None, path
+    assert executor_reply({"path": "out", "max_bytes": 100})["error"] == "path_escape"
+
+
+@root_only
+def test_the_reading_thread_gets_its_own_identity_back(workspace: Path) -> None:
+    (workspace / "f").write_text("x")
+    reader = HostReader(UID, GID)
+    before = _identity()
+    seen: list[dict[str, str]] = []
+
+    def other() -> None:  # another thread meanwhile keeps the daemon's identity throughout
+        seen.append(_identity())
+
+    for path in ("f", "missing", "../escape"):
+        reader.read_file(workspace, {"path": path, "max_bytes": 10})
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert _identity() == before and all(identity == before for identity in seen)
+
+
+def test_without_root_every_read_goes_to_the_executor(workspace: Path) -> None:
+    (workspace / "f").write_text("x")
+    reader = HostReader(UID, GID)
+    assert reader.usable == (os.geteuid() == 0)
+    if not reader.usable:
+        assert reader.read_file(workspace, {"path": "f", "max_bytes": 10}) is None
+
+
+def _identity() -> dict[str, str]:
+    with open("/proc/thread-self/status") as fh:
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in fh) if k in ("Uid", "Gid", "Groups")}
