@@ -37,7 +37,14 @@ from sandboxd.errors import (
     UnknownSession,
 )
 from sandboxd.provenance.store import ProvenanceStore
-from sandboxd.revocation.erasure import MIN_NEEDLE_BYTES, byte_needles, scrub_database, scrub_log, target_filter
+from sandboxd.revocation.erasure import (
+    MIN_NEEDLE_BYTES,
+    byte_needles,
+    scrub_database,
+    scrub_log,
+    target_filter,
+    target_texts,
+)
 from sandboxd.revocation.forgetting import ForgetFilter
 from sandboxd.revocation.forgotten import Forgotten
 from sandboxd.revocation.leaks import LeakScan, LeakScanner, kept_cells
@@ -179,7 +186,7 @@ class RevocationOperator:
         if self.log_path is not None:
             # A log line is prose: a value too short to be told from it is left in it (see erasure.distinctive).
             scrub_log(self.log_path, ForgetFilter([fp for fp in forget.fingerprints if fp.length >= MIN_NEEDLE_BYTES],
-                                                  self.forgotten.salt))
+                                                  self.forgotten.salt), target_texts(target, pieces) if target else ())
         self.db.purge()
         if target is None:
             return LeakScan(skipped=["the leak scan: the target was lost with the process that held it"])
