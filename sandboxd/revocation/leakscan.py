@@ -27,6 +27,8 @@ from typing import IO, Any, Literal
 import docker.errors
 import msgspec
 
+from sandboxd.revocation.bytefind import half_of, positions
+
 CHUNK_BYTES = 1 << 20
 #: container paths scanned as whole trees, besides every tmpfs mount and every path `diff()` reports
 CONTAINER_PATHS = ("/sandbox", "/tmp", "/run/sandboxd", "/home")
@@ -92,8 +94,7 @@ class _Matcher:
         # finds it, and nothing shorter than a needle can match twice from inside the carry.
         self.carry = max(len(needle) for needle in needles) - 1
         self.report = report
-        # Needles with zero bytes (UTF-16 forms) are found through a half of them (see `_positions`).
-        self.halves = [_half(needle) if b"\x00" in needle else None for needle in needles]
+        self.halves = [half_of(needle) if b"\x00" in needle else None for needle in needles]  # see bytefind
 
     def stream(self, read: Callable[[int], bytes], location: str) -> None:
         """Search everything `read` yields, counting it as one location."""
@@ -131,7 +132,7 @@ class _Matcher:
                 half = self.halves[index]
                 if half is not None and split is None:
                     split = buffer[0::2], buffer[1::2]
-                for position in _positions(buffer, needle, half, split):
+                for position in positions(buffer, needle, half, split):
                     if position + len(needle) > len(carried):
                         self.report.hits.append(Hit(location=location, offset=base + position, needle=index))
             keep = min(len(buffer), self.carry)
@@ -146,41 +147,6 @@ class _Matcher:
             while position != -1:
                 self.report.hits.append(Hit(location=location, offset=position, needle=index, part="name"))
                 position = raw.find(needle, position + 1)
-
-
-def _half(needle: bytes) -> tuple[bytes, int] | None:
-    """The half of a needle (its even or its odd bytes, and which) with the fewest zero bytes, when that
-    half has none: found through it, the needle is found without a zero byte to search for."""
-    k = min((0, 1), key=lambda k: needle[k::2].count(0))
-    half = needle[k::2]
-    return (half, k) if half and 0 not in half else None
-
-
-def _positions(buffer: bytes, needle: bytes, half: tuple[bytes, int] | None,
-               split: tuple[bytes, bytes] | None) -> Iterator[int]:
-    """Every offset of `needle` in `buffer`, ascending.
-
-    Most of what a scan reads is zeros (a disk image's metadata, pages secure_delete cleared), and on
-    zeros `bytes.find` for a needle holding zero bytes (a UTF-16 form) advances one byte at a time:
-    ten times slower than for the others, most of a revocation's scan. Such a needle, at offset p, puts
-    its half `needle[k::2]` at offset (p + k) // 2 of the buffer's even bytes (p + k even) or odd bytes
-    (p + k odd), and that half has no zero byte; each place it is found there is checked in full."""
-    if half is None or split is None:
-        position = buffer.find(needle)
-        while position != -1:
-            yield position
-            position = buffer.find(needle, position + 1)
-        return
-    sub, k = half
-    found = []
-    for parity, side in enumerate(split):
-        index = side.find(sub)
-        while index != -1:
-            position = 2 * index + parity - k
-            if position >= 0 and buffer.startswith(needle, position):
-                found.append(position)
-            index = side.find(sub, index + 1)
-    yield from sorted(found)
 
 
 def _extent_chunks(fd: int, start: int, end: int) -> Iterator[bytes]:

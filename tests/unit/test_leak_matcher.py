@@ -1,6 +1,6 @@
 """The byte search of a leak scan finds every occurrence of every needle, wherever it falls.
 
-Needles with zero bytes (UTF-16 forms) are found through their even or odd bytes (`leakscan._positions`),
+Needles with zero bytes (UTF-16 forms) are found through their even or odd bytes (`sandboxd.revocation.bytefind`),
 so the cases that matter are zeros around and inside them, odd and even offsets, and matches that
 straddle the chunks a file is read in; the reference is a plain search of the whole bytes.
 """
