@@ -172,8 +172,9 @@ def scrub_log(path: Path, forget: ForgetFilter, plain: Iterable[str] = ()) -> in
         if handler is not None:
             handler.flush()
         with open(path, "r+b") as fh:
-            lines = fh.read().decode("utf-8", "surrogateescape").splitlines(keepends=True)
-            may_hold = log_screen(forget, plain)
+            text = fh.read().decode("utf-8", "surrogateescape")
+            lines = text.splitlines(keepends=True)
+            may_hold = log_screen(forget, plain, text)
             clean = [_clean_line(line, forget) if may_hold(line) else line for line in lines]
             changed = sum(a != b for a, b in zip(lines, clean, strict=True))
             if changed:
@@ -188,7 +189,7 @@ def scrub_log(path: Path, forget: ForgetFilter, plain: Iterable[str] = ()) -> in
             handler.release()
 
 
-def log_screen(forget: ForgetFilter, plain: Iterable[str]) -> Callable[[str], bool]:
+def log_screen(forget: ForgetFilter, plain: Iterable[str], whole: str | None = None) -> Callable[[str], bool]:
     """A quick test a log line must pass to hold a forgotten value (False: it holds none); only lines that
     pass it are read by meaning (`ForgetFilter.holds_record`), which costs ~0.1 ms a line in Python, and a
     revocation reads the whole log: it was most of a revocation's CPU.
@@ -199,7 +200,12 @@ def log_screen(forget: ForgetFilter, plain: Iterable[str]) -> Callable[[str], bo
     string the line holds. A line without a backslash or a percent sign has no decoded view other than
     itself, and each of its strings (a JSON value or key, delimited by quotes, which folding leaves
     alone; or the whole line) is a piece of it, folded the same in place: so the folded text is in the
-    folded line too. A line with either goes to the full reading."""
+    folded line too. A line with either goes to the full reading.
+
+    `whole`: the text the lines are cut from. Folding turns each maximal run of whitespace into one space
+    and case-folds character by character, so a line's fold is a piece of the whole text's fold: if no
+    folded form is in the latter, no line without escapes holds one, and one pass over the whole text
+    (in C) answers for all of them."""
     forms: list[tuple[str, bool, bool]] = []
     candidates = [text for text in dict.fromkeys(plain) if text]
     for fp in forget.fingerprints:
@@ -208,11 +214,12 @@ def log_screen(forget: ForgetFilter, plain: Iterable[str]) -> Callable[[str], bo
             return lambda line: True
         forms.append((folded(text, fp.casefold, fp.spacefold), fp.casefold, fp.spacefold))
     forms = list(dict.fromkeys(forms))
+    anywhere = whole is None or any(text in folded(whole, casefold, spacefold) for text, casefold, spacefold in forms)
 
     def may_hold(line: str) -> bool:
         if "\\" in line or "%" in line:
             return True
-        return any(text in folded(line, casefold, spacefold) for text, casefold, spacefold in forms)
+        return anywhere and any(text in folded(line, casefold, spacefold) for text, casefold, spacefold in forms)
 
     return may_hold
 

@@ -36,18 +36,23 @@ def test_the_folded_text_is_the_one_a_match_is_searched_in(text: str, casefold: 
 
 @settings(max_examples=400, deadline=None)
 @given(target=targets.filter(str.strip), before=texts, after=texts, form=st.integers(0, len(FORMS) - 1),
-       as_json=st.booleans(), casefold=st.booleans(), split=st.booleans())
+       as_json=st.booleans(), casefold=st.booleans(), split=st.booleans(), around=st.lists(texts, max_size=3))
 def test_a_line_the_screen_stops_holds_no_forgotten_value(target: str, before: str, after: str, form: int,
-                                                          as_json: bool, casefold: bool, split: bool) -> None:
+                                                          as_json: bool, casefold: bool, split: bool,
+                                                          around: list[str]) -> None:
     pieces = [target[: len(target) // 2], target[len(target) // 2 :]] if split else []
     base = target_filter(target, pieces, SALT)
     fingerprints = base.fingerprints + ([fingerprint(target, SALT, casefold=True)] if casefold else [])
     forget = ForgetFilter(fingerprints, SALT)
     value = before + FORMS[form](target) + after
     line = json.dumps({"msg": value, "level": "info"}) if as_json else value
-    may_hold = log_screen(forget, target_texts(target, pieces))
-    if forget.holds_record(line):
-        assert may_hold(line), line
+    # The log the line is cut from: other lines around it, whitespace at their edges included.
+    whole = "\n".join([*around[:1], line, *around[1:]]) + "\n"
+    for may_hold in (log_screen(forget, target_texts(target, pieces)),
+                     log_screen(forget, target_texts(target, pieces), whole)):
+        for each in whole.splitlines(keepends=True):
+            if forget.holds_record(each):
+                assert may_hold(each), each
 
 
 def test_the_screen_stops_clean_lines_and_passes_everything_without_the_plain_texts() -> None:
@@ -57,5 +62,7 @@ def test_the_screen_stops_clean_lines_and_passes_everything_without_the_plain_te
     holding = json.dumps({"msg": f"read {target}", "level": "info"})
     screen = log_screen(forget, target_texts(target, []))
     assert not screen(clean) and screen(holding)
+    assert not log_screen(forget, target_texts(target, []), clean + "\n")(clean)
+    assert log_screen(forget, target_texts(target, []), f"{clean}\n{holding}\n")(holding)
     assert log_screen(forget, [])(clean)  # the texts behind the fingerprints are not known: no screening
     assert log_screen(forget, ["another text"])(clean)
