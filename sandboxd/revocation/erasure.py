@@ -142,13 +142,17 @@ def distinctive(needle: bytes) -> bool:
 MIN_NEEDLE_BYTES = 8
 
 
-def scrub_database(db: Database, forget: ForgetFilter, session_id: str, exempt: Exempt) -> int:
+def scrub_database(db: Database, forget: ForgetFilter, session_id: str, exempt: Exempt,
+                   plain: Iterable[str] = ()) -> int:
     """Filter every content cell of the session's rows that holds a forgotten value (keys replaced by a
-    digest) unless `exempt`; returns how many cells changed."""
+    digest) unless `exempt`; returns how many cells changed. `plain` as for `scrub_log`: the cells are read
+    under the writers' lock, so what the screen spares is time every other session waits."""
     changed = 0
+    may_hold = record_screen(forget, plain)
     with db.transaction():
         for table, column, rowid, value, row in cells(db, session_id):
-            if exempt(table, column.name, row) or minted(column, value) or not forget.holds_record(value):
+            if exempt(table, column.name, row) or minted(column, value) or not may_hold(value) \
+                    or not forget.holds_record(value):
                 continue
             clean = redacted_id(value, forget) if column.key else forget.json_text(value)
             db.execute(f'UPDATE "{table}" SET "{column.name}" = ? WHERE rowid = ?', [clean, rowid])
@@ -161,7 +165,7 @@ def scrub_log(path: Path, forget: ForgetFilter, plain: Iterable[str] = ()) -> in
 
     In place, under the log handler's own lock, so a line logged meanwhile is neither lost nor written
     into the old file; the handler appends (O_APPEND), so it goes on writing at the new end. `plain`: the
-    texts `forget` was made from, when known (see `log_screen`)."""
+    texts `forget` was made from, when known (see `record_screen`)."""
     if not path.exists():
         return 0
     handler = next((h for h in logging.getLogger("sandboxd").handlers
@@ -174,7 +178,7 @@ def scrub_log(path: Path, forget: ForgetFilter, plain: Iterable[str] = ()) -> in
         with open(path, "r+b") as fh:
             text = fh.read().decode("utf-8", "surrogateescape")
             lines = text.splitlines(keepends=True)
-            may_hold = log_screen(forget, plain, text)
+            may_hold = record_screen(forget, plain, text)
             clean = [_clean_line(line, forget) if may_hold(line) else line for line in lines]
             changed = sum(a != b for a, b in zip(lines, clean, strict=True))
             if changed:
@@ -189,10 +193,11 @@ def scrub_log(path: Path, forget: ForgetFilter, plain: Iterable[str] = ()) -> in
             handler.release()
 
 
-def log_screen(forget: ForgetFilter, plain: Iterable[str], whole: str | None = None) -> Callable[[str], bool]:
-    """A quick test a log line must pass to hold a forgotten value (False: it holds none); only lines that
-    pass it are read by meaning (`ForgetFilter.holds_record`), which costs ~0.1 ms a line in Python, and a
-    revocation reads the whole log: it was most of a revocation's CPU.
+def record_screen(forget: ForgetFilter, plain: Iterable[str], whole: str | None = None) -> Callable[[str], bool]:
+    """A quick test a stored record (a log line, a database cell) must pass to hold a forgotten value
+    (False: it holds none); only records that pass it are read by meaning (`ForgetFilter.holds_record`),
+    which costs ~0.1 ms a log line in Python, and a revocation reads the whole log and every content cell
+    of its session: the log alone was most of a revocation's CPU. Below, "line" is any such record.
 
     It needs to know the text behind each fingerprint: among `plain` (the target's forms and pieces, which
     the revocation holds in memory), a text whose fold the fingerprint hashes to. Unless all are found,

@@ -182,11 +182,12 @@ class RevocationOperator:
         forget = target_filter(target, pieces, self.forgotten.salt) if target else self.forgotten.filter(sid)
         # The branch carries its splice: the checkpoint is not read again.
         kept = kept_cells(sid, branch.id, branch.splice.created_at)
-        scrub_database(self.db, forget, sid, kept)
+        plain = target_texts(target, pieces) if target else []
+        scrub_database(self.db, forget, sid, kept, plain)
         if self.log_path is not None:
             # A log line is prose: a value too short to be told from it is left in it (see erasure.distinctive).
             scrub_log(self.log_path, ForgetFilter([fp for fp in forget.fingerprints if fp.length >= MIN_NEEDLE_BYTES],
-                                                  self.forgotten.salt), target_texts(target, pieces) if target else ())
+                                                  self.forgotten.salt), plain)
         self.db.purge()
         if target is None:
             return LeakScan(skipped=["the leak scan: the target was lost with the process that held it"])

@@ -1,6 +1,7 @@
-"""The quick screen of log lines before they are read by meaning (`erasure.log_screen`).
+"""The quick screen of stored records (log lines, database cells) before they are read by meaning
+(`erasure.record_screen`).
 
-A line the screen lets through is read by `ForgetFilter.holds_record`; one it stops is left as it is. So
+A record the screen lets through is read by `ForgetFilter.holds_record`; one it stops is left as it is. So
 it must never stop a line that holds a forgotten value: in every form a line can carry one (JSON
 escapes, escapes twice, percent-encoding, re-flowed whitespace, other case under case folding, a piece
 of a split target at a result's edge), the screen's answer is checked against the full reading.
@@ -14,7 +15,7 @@ import urllib.parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandboxd.revocation.erasure import log_screen, target_filter, target_texts
+from sandboxd.revocation.erasure import record_screen, target_filter, target_texts
 from sandboxd.revocation.fingerprint import _View, fingerprint, folded
 from sandboxd.revocation.forgetting import ForgetFilter
 
@@ -48,8 +49,8 @@ def test_a_line_the_screen_stops_holds_no_forgotten_value(target: str, before: s
     line = json.dumps({"msg": value, "level": "info"}) if as_json else value
     # The log the line is cut from: other lines around it, whitespace at their edges included.
     whole = "\n".join([*around[:1], line, *around[1:]]) + "\n"
-    for may_hold in (log_screen(forget, target_texts(target, pieces)),
-                     log_screen(forget, target_texts(target, pieces), whole)):
+    for may_hold in (record_screen(forget, target_texts(target, pieces)),
+                     record_screen(forget, target_texts(target, pieces), whole)):
         for each in whole.splitlines(keepends=True):
             if forget.holds_record(each):
                 assert may_hold(each), each
@@ -60,9 +61,9 @@ def test_the_screen_stops_clean_lines_and_passes_everything_without_the_plain_te
     forget = target_filter(target, [], SALT)
     clean = json.dumps({"msg": "session s-1 opened", "level": "info"})
     holding = json.dumps({"msg": f"read {target}", "level": "info"})
-    screen = log_screen(forget, target_texts(target, []))
+    screen = record_screen(forget, target_texts(target, []))
     assert not screen(clean) and screen(holding)
-    assert not log_screen(forget, target_texts(target, []), clean + "\n")(clean)
-    assert log_screen(forget, target_texts(target, []), f"{clean}\n{holding}\n")(holding)
-    assert log_screen(forget, [])(clean)  # the texts behind the fingerprints are not known: no screening
-    assert log_screen(forget, ["another text"])(clean)
+    assert not record_screen(forget, target_texts(target, []), clean + "\n")(clean)
+    assert record_screen(forget, target_texts(target, []), f"{clean}\n{holding}\n")(holding)
+    assert record_screen(forget, [])(clean)  # the texts behind the fingerprints are not known: no screening
+    assert record_screen(forget, ["another text"])(clean)
