@@ -51,6 +51,8 @@ log = logging.getLogger("sandboxd")
 FLUSH_S = 0.05
 #: connections for sessions' own transactions on a server (beyond the daemon's one writer connection)
 SESSION_WRITERS = 8
+#: TRUNCATE checkpoints tried (each waiting up to the busy timeout for readers) before a purge gives up
+TRUNCATE_TRIES = 3
 
 
 def connect(path: Path | str, node: str | None = None) -> Any:
@@ -103,6 +105,8 @@ class Database:
         self._purge_cond = threading.Condition()
         self._reclaim_lock = threading.Lock()
         self._reclaimer: Any = None
+        #: the connection purges copy the WAL with (one purge runs at a time: see `purge`)
+        self._checkpointer: sqlite3.Connection | None = None
         self.migrate(migrations)
         threading.Thread(target=self._flusher, name="sandboxd-wal-flush", daemon=True).start()
 
@@ -425,6 +429,7 @@ class Database:
 
         Grouped like the fsyncs: one checkpoint begun after the caller's commits covers them all, so
         revocations committing at once share a checkpoint instead of queueing one each behind the lock.
+        And the checkpoint's copying and fsyncs happen outside the writers' lock (`_backfill`).
 
         On a PostgreSQL server (no secure_delete) the cost is a rewrite of the tables, so it is paid only
         where it is promised: `erase` (content a revocation forgot, which it then scans for) rewrites
@@ -459,11 +464,36 @@ class Database:
                     self._purge_cond.notify_all()
 
     def _checkpoint(self, tables: list[str] | None) -> None:
-        with self._writing() as conn:
-            if self.url is not None:
+        if self.url is not None:
+            with self._writing():
                 self.conn.purge(tables)  # no secure_delete there: see `sandboxd.pg`
-                return
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            return
+        self._backfill()
+        with self._writing() as conn:
+            for _ in range(TRUNCATE_TRIES):
+                busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                if not busy:
+                    return
+        # A reader held the WAL through every busy timeout: what the caller wrote may still be in it.
+        raise RuntimeError(f"the WAL of {self.path} could not be truncated: a reader held it throughout")
+
+    def _backfill(self) -> None:
+        """Copy the WAL into the database file and sync it, without the writers' lock.
+
+        A TRUNCATE checkpoint needs the writers' lock (SQLite's, and so ours on its one write connection)
+        for all of its work: an fsync of the WAL, copying its frames, an fsync of the database, the
+        truncation. Done under the lock, every session's transactions waited for two fsyncs per purge.
+        A PASSIVE checkpoint on a connection of its own does the copying and both fsyncs while writers go
+        on; the TRUNCATE that follows under the lock then has only what was committed meanwhile to copy,
+        usually nothing, and when nothing is left to copy it neither copies nor syncs: it truncates. So
+        the promise is the TRUNCATE's as before; this only moves its work out from under the lock."""
+        if self._checkpointer is None:
+            self._checkpointer = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
+                                                 timeout=30)
+            self._checkpointer.execute("PRAGMA synchronous=FULL")
+        # Busy (another checkpoint running, the write connection's automatic one) is no error here:
+        # whatever this leaves, the TRUNCATE copies itself.
+        self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
 
     def _reclaim(self) -> None:
         # Outside the writer lock, on a connection of its own: a plain VACUUM blocks no writer, here or
@@ -490,7 +520,7 @@ class Database:
             while self._syncing:
                 self._sync_cond.wait()
         with self.lock:
-            for reader in [*self._readers, *self._closing]:
+            for reader in [*self._readers, *self._closing, *([self._checkpointer] if self._checkpointer else [])]:
                 reader.close()
             self._readers.clear()
             self.conn.close()

@@ -289,7 +289,9 @@ class Sessions:
         row = SnapshotRow(snapshot_id=snapshot_id, session_id=session_id, label=label,
                           created_at=taken.record.created_at, layers=len(taken.record.layers),
                           elapsed_ms=taken.elapsed_ms)
-        with self.db.transaction():
+        # Lazy, like a call's record: it survives the daemon's kill -9 once committed, and the layer it
+        # names is itself synced to disk only by the store's flusher, up to a second later.
+        with self.db.transaction(lazy=True):
             self.db.insert("snapshots", row)
             self.db.update("sessions", {"session_id": session_id}, env_snapshot=snapshot_id)
         return row
@@ -308,16 +310,22 @@ class Sessions:
             self.quiesce(session_id)
             # /tmp is scratch, not part of a snapshot: a restored sandbox starts it empty.
             self.executor(session_id, {"op": "clear_scratch"}, 10.0)
-            # Until the restore is known to be done, no snapshot is known to equal the sandbox.
-            self.update(session_id, env_snapshot=None)
+            # Until the restore is known to be done, no snapshot is known to equal the sandbox. Lazy (see
+            # `take`): the store's own steps reach the disk no sooner.
+            self._point_at(session_id, None)
             try:
                 done = self.store.restore(session_id, snapshot_id)
             except UnknownSnapshot as exc:
                 raise SnapshotNotFound(snapshot_id, session_id) from exc
             except (SnapshotError, OSError) as exc:
                 raise SnapshotFailed(f"restore of {snapshot_id} failed: {exc}") from exc
-        self.update(session_id, env_snapshot=snapshot_id)
+        self._point_at(session_id, snapshot_id)
         return done.elapsed_ms
+
+    def _point_at(self, session_id: str, snapshot_id: str | None) -> None:
+        """Record which snapshot the sandbox equals (None: not known), committed without waiting for the disk."""
+        with self.db.transaction(lazy=True):
+            self.db.update("sessions", {"session_id": session_id}, env_snapshot=snapshot_id)
 
     def snapshot(self, snapshot_id: str) -> SnapshotRow | None:
         return self.db.struct("SELECT * FROM snapshots WHERE snapshot_id = ?", [snapshot_id], SnapshotRow)

@@ -84,6 +84,21 @@ def fingerprint(target: str, salt: bytes, *, casefold: bool = False, spacefold: 
                               casefold=casefold, spacefold=spacefold, decoded=decoded, anchor=anchor)
 
 
+def folded(text: str, casefold: bool, spacefold: bool) -> str:
+    """`text` as a fingerprint with these flags reads it: what `fingerprint` hashes, and the view a match is
+    searched in (its decoded views aside). The text alone, without `_View`'s map back to the original."""
+    if casefold:
+        text = "".join([ch.casefold() for ch in text])
+    return _SPACE_RUN.sub(" ", text) if spacefold else text
+
+
+def stands_for(fp: RevokedFingerprint, text: str, salt: bytes) -> bool:
+    """Whether `fp` is the fingerprint of `text` (folded as its flags say), its anchor aside."""
+    view = folded(text, fp.casefold, fp.spacefold)
+    return len(view) == fp.length and hmac.compare_digest(_window_digest(view, salt, fp.casefold, fp.spacefold),
+                                                          fp.digest)
+
+
 def find(text: str, fp: RevokedFingerprint, salt: bytes) -> list[tuple[int, int]]:
     """Character spans [start, end) of every occurrence of the fingerprinted target in `text`, overlaps included."""
     return sorted({(start, end) for start, end, _ in FingerprintSet([fp], salt).occurrences(text)})

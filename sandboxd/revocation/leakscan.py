@@ -27,6 +27,8 @@ from typing import IO, Any, Literal
 import docker.errors
 import msgspec
 
+from sandboxd.revocation.bytefind import half_of, positions
+
 CHUNK_BYTES = 1 << 20
 #: container paths scanned as whole trees, besides every tmpfs mount and every path `diff()` reports
 CONTAINER_PATHS = ("/sandbox", "/tmp", "/run/sandboxd", "/home")
@@ -92,6 +94,7 @@ class _Matcher:
         # finds it, and nothing shorter than a needle can match twice from inside the carry.
         self.carry = max(len(needle) for needle in needles) - 1
         self.report = report
+        self.halves = [half_of(needle) if b"\x00" in needle else None for needle in needles]  # see bytefind
 
     def stream(self, read: Callable[[int], bytes], location: str) -> None:
         """Search everything `read` yields, counting it as one location."""
@@ -124,12 +127,14 @@ class _Matcher:
         carried = b""
         for chunk in chunks:
             buffer = carried + chunk
+            split: tuple[bytes, bytes] | None = None
             for index, needle in enumerate(self.needles):
-                position = buffer.find(needle)
-                while position != -1:
+                half = self.halves[index]
+                if half is not None and split is None:
+                    split = buffer[0::2], buffer[1::2]
+                for position in positions(buffer, needle, half, split):
                     if position + len(needle) > len(carried):
                         self.report.hits.append(Hit(location=location, offset=base + position, needle=index))
-                    position = buffer.find(needle, position + 1)
             keep = min(len(buffer), self.carry)
             carried = buffer[len(buffer) - keep :] if keep else b""
             base += len(buffer) - keep

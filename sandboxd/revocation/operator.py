@@ -37,7 +37,14 @@ from sandboxd.errors import (
     UnknownSession,
 )
 from sandboxd.provenance.store import ProvenanceStore
-from sandboxd.revocation.erasure import MIN_NEEDLE_BYTES, byte_needles, scrub_database, scrub_log, target_filter
+from sandboxd.revocation.erasure import (
+    MIN_NEEDLE_BYTES,
+    byte_needles,
+    scrub_database,
+    scrub_log,
+    target_filter,
+    target_texts,
+)
 from sandboxd.revocation.forgetting import ForgetFilter
 from sandboxd.revocation.forgotten import Forgotten
 from sandboxd.revocation.leaks import LeakScan, LeakScanner, kept_cells
@@ -175,11 +182,12 @@ class RevocationOperator:
         forget = target_filter(target, pieces, self.forgotten.salt) if target else self.forgotten.filter(sid)
         # The branch carries its splice: the checkpoint is not read again.
         kept = kept_cells(sid, branch.id, branch.splice.created_at)
-        scrub_database(self.db, forget, sid, kept)
+        plain = target_texts(target, pieces) if target else []
+        scrub_database(self.db, forget, sid, kept, plain)
         if self.log_path is not None:
             # A log line is prose: a value too short to be told from it is left in it (see erasure.distinctive).
             scrub_log(self.log_path, ForgetFilter([fp for fp in forget.fingerprints if fp.length >= MIN_NEEDLE_BYTES],
-                                                  self.forgotten.salt))
+                                                  self.forgotten.salt), plain)
         # Every table: the commit deleted the old suffix's rows across the provenance tables too.
         self.db.purge()
         if target is None:

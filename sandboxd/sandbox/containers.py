@@ -84,6 +84,8 @@ class ContainerManager:
         self.ctl_root = self.state / "ctl"
         self._channels: dict[str, ExecutorChannel] = {}
         self._lock = threading.Lock()
+        self._inits: dict[str, tuple[int, str]] = {}
+        """Each running sandbox's init process as last seen: pid and start time (see `_root`)."""
         self.runtime = config.sandbox.runtime
         self._install_executor()
         self._workspaces: dict[str, Path | None] = {}
@@ -333,18 +335,39 @@ class ContainerManager:
     def scan_scratch(self, session_id: str, needles: list[bytes]) -> LeakReport:
         """Byte-scan the sandbox's scratch tmpfs mounts, which only the container holds; hits are located
         by their paths in the container. A stopped container's tmpfs is gone, and with it what it held."""
-        container = self.container(session_id)
-        if container is None or container.status != "running":
-            return LeakReport()
         if self.runtime == "runsc":
+            container = self.container(session_id)
+            if container is None or container.status != "running":
+                return LeakReport()
             # gVisor keeps a tmpfs in its own kernel's memory: on the host, /proc/PID/root of the
             # sandbox process is an empty directory, and a scan there would find nothing and say clean.
             return scan_inside(container, needles, SCRATCH_PATHS)
         # runc: read through the container's root as the host sees it, without a round of Docker API calls.
-        root = f"/proc/{container.attrs['State']['Pid']}/root"
+        root = self._root(session_id)
+        if root is None:
+            return LeakReport()
         report = scan_paths(needles, [Path(root + path) for path in SCRATCH_PATHS])
         report.hits = [msgspec.structs.replace(hit, location=hit.location.removeprefix(root)) for hit in report.hits]
         return report
+
+    def _root(self, session_id: str) -> str | None:
+        """The running sandbox's root as the host sees it (`/proc/PID/root`), or None when it is not running.
+
+        Asking the engine for the pid cost more than the scan it served (an inspect on every revocation),
+        so the init process is remembered with its start time: the same pid with the same start time is
+        the same process, and a sandbox that stopped or was started again has another (a pid reused by
+        some other process has another start time)."""
+        known = self._inits.get(session_id)
+        if known is not None and _start_time(known[0]) == known[1]:
+            return f"/proc/{known[0]}/root"
+        container = self.container(session_id)
+        pid = int(container.attrs["State"]["Pid"]) if container is not None and container.status == "running" else 0
+        started = _start_time(pid) if pid else None
+        if started is None:
+            self._inits.pop(session_id, None)
+            return None
+        self._inits[session_id] = (pid, started)
+        return f"/proc/{pid}/root"
 
     def sessions(self) -> list[str]:
         """Session ids that have a container of this instance, running or not."""
@@ -361,3 +384,12 @@ class ContainerManager:
                 return False
             raise
         return True
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), or None when there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]

@@ -279,3 +279,22 @@ def test_a_sessions_scratch_space_is_scanned_under_its_runtime(daemon: DaemonPro
     assert bool(host_view.hits) == (runtime == "runc")
     client.call(session, "shell", {"command": "rm /tmp/copy.txt /dev/shm/seg"})
     assert manager.scan_scratch(session, needles_for(PLAIN)).hits == []
+
+
+@pytest.mark.docker
+def test_a_sandbox_started_again_is_scanned_at_its_new_root(daemon: DaemonProcess, client: Client,
+                                                            session: str) -> None:
+    """The scan remembers the sandbox's init process rather than asking the engine each time: a sandbox
+    that stopped and started again (another init process) must be found again, not scanned where it was."""
+    manager = ContainerManager(load_config(state_dir=str(daemon.state_dir), runtime="runc"))
+    assert manager.scan_scratch(session, needles_for(PLAIN)).hits == []  # remembers the first init process
+    container = manager.container(session)
+    first = container.attrs["State"]["Pid"]
+    container.restart(timeout=0)
+    container.reload()
+    assert container.attrs["State"]["Pid"] != first
+    write(container, "/tmp/after-restart.txt", PLAIN)
+    report = manager.scan_scratch(session, needles_for(PLAIN))
+    assert [(hit.location, hit.offset) for hit in report.hits] == [("/tmp/after-restart.txt", 0)]
+    container.stop(timeout=0)
+    assert manager.scan_scratch(session, needles_for(PLAIN)).hits == []  # stopped: its tmpfs is gone

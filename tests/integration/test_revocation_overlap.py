@@ -9,7 +9,10 @@ and ends as clean as B.
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +70,64 @@ def test_a_revocation_finishes_while_another_sessions_revocation_is_held(daemon:
     assert not commit(client, held).leak_scan.get("hits")
     for session in (a, b):
         assert client.call(session.session_id, "read_file", {"path": "notes.txt"}).stdout == "kept\n"
+
+
+def stored_bytes(path: Path) -> Iterator[tuple[Path, bytes]]:
+    """Every regular file under `path` with the bytes it stores (the data of sparse files, holes skipped)."""
+    for root, _, names in os.walk(path):
+        for name in names:
+            file = Path(root) / name
+            if not file.is_file() or file.is_symlink():
+                continue
+            with open(file, "rb") as fh:
+                size, position, data = os.fstat(fh.fileno()).st_size, 0, []
+                while position < size:
+                    try:
+                        start = os.lseek(fh.fileno(), position, os.SEEK_DATA)
+                    except OSError:  # ENXIO: only a hole is left
+                        break
+                    end = os.lseek(fh.fileno(), start, os.SEEK_HOLE)
+                    data.append(os.pread(fh.fileno(), end - start, start))
+                    position = end
+            yield file, b"".join(data)
+
+
+def copies(state_dir: Path, values: Iterable[str]) -> list[tuple[str, str]]:
+    """(file, value) for each value whose bytes (UTF-8 or UTF-16) some file under `state_dir` stores."""
+    forms = [(value, form) for value in values for form in (value.encode(), value.encode("utf-16-le"))]
+    return sorted({(str(file), value) for file, data in stored_bytes(state_dir) for value, form in forms
+                   if form in data})
+
+
+def test_two_revocations_committing_at_once_both_leave_no_copy_in_any_state_file(daemon: DaemonProcess) -> None:
+    """Revocations that commit together share the checkpoint that empties the WAL (`Database.purge`); each is
+    reported only once no copy of its value is left in the database, its WAL, the log or the snapshot store."""
+    client = daemon.client()
+    secrets = {"a": "grouped-secret-of-a-3b9e04d1c7", "b": "grouped-secret-of-b-61f2a8e590"}
+    sessions = {name: client.open_session().session_id for name in secrets}
+    raised = {name: raise_revocation(client, sessions[name], secret) for name, secret in secrets.items()}
+    # The scan can see them: before the revocations each value is stored (its artifact's row, at least).
+    assert {secret for _, secret in copies(daemon.state_dir, secrets.values())} == set(secrets.values())
+    for revocation_id in raised.values():
+        client.begin_revocation(revocation_id)
+    barrier = threading.Barrier(len(raised))
+    reports: dict[str, p.RevocationReport | BaseException] = {}
+
+    def commit_at_once(name: str) -> None:
+        own = daemon.client()  # sockets are per thread
+        barrier.wait(30)
+        try:
+            reports[name] = commit(own, raised[name])
+        except BaseException as exc:
+            reports[name] = exc
+
+    threads = [threading.Thread(target=commit_at_once, args=(name,), daemon=True) for name in raised]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for name in secrets:
+        report = reports.get(name)
+        assert isinstance(report, p.RevocationReport), reports
+        assert not report.leak_scan.get("hits"), report.leak_scan
+    assert copies(daemon.state_dir, secrets.values()) == []

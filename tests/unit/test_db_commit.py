@@ -152,3 +152,36 @@ def test_purges_asked_for_during_a_checkpoint_share_the_next_one(tmp_path_factor
     # ... and it covers the tables every one of them named (on a server, each is rewritten).
     assert covered == [["first"], sorted(f"t{k}" for k in range(callers))]
     db.close()
+
+
+def test_a_purge_copies_the_wal_outside_the_writers_lock_and_leaves_no_deleted_value(
+        db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "purged-value-5c1e0b7a93"
+    with db.transaction():
+        db.execute("INSERT INTO t VALUES (1, ?)", [secret])
+    with db.transaction():
+        db.execute("DELETE FROM t WHERE k = 1")
+    real, copied, release = db._backfill, threading.Event(), threading.Event()
+
+    def held_after_copying() -> None:
+        real()
+        copied.set()
+        assert release.wait(30)
+
+    monkeypatch.setattr(db, "_backfill", held_after_copying)
+    purge = in_thread(db.purge)
+    assert copied.wait(30)
+    # The WAL is being copied: another session's transaction commits meanwhile, adding frames the
+    # TRUNCATE that follows must copy itself.
+    writer = in_thread(lambda: db.execute("INSERT INTO t VALUES (2, 'later')"))
+    wait_for(lambda: not writer.is_alive(), "a transaction committed while the purge copied the WAL")
+    assert purge.is_alive()
+    release.set()
+    purge.join(30)
+    assert not purge.is_alive()
+    wal = Path(f"{db.path}-wal")
+    assert not wal.exists() or wal.stat().st_size == 0
+    for path in db.path.parent.glob("state.db*"):
+        assert secret.encode() not in path.read_bytes(), path
+    assert db.rows("SELECT k, v FROM t") == [{"k": 2, "v": "later"}]
+    db.close()
