@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,9 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.auth
 from zmq.utils import z85
+
+from sandboxd import protocol as p
+from sandboxd.errors import Unauthorized
 
 if TYPE_CHECKING:
     from sandboxd.config import AuthConfig
@@ -60,6 +64,31 @@ class Peer:
 
 
 LOCAL_PEER = Peer("local", operator=True)
+
+#: requests on the firewall's shared outbox: releasing a 'manual' hold is the operator's decision
+#: and the outside world is not the agent's to reset or to read around its tools
+OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest, p.WorldResetRequest,
+                 p.WorldStateRequest, p.RollbackRequest, p.ForkRequest, p.CompensateRequest,
+                 p.AdoptSessionRequest)
+
+
+def authorize(request: p.Request, peer: Peer, owner_of: Callable[[str], str | None],
+              session_of_revocation: Callable[[str], str | None]) -> None:
+    """The one ownership rule, the daemon's and the fleet door's: a request naming a session, or a
+    revocation of one, is its owner's (`owner_of` gives None for an unknown session) or an operator's."""
+    if peer.operator:
+        return
+    every_session = (isinstance(request, p.OutboxRequest | p.ListCallsRequest | p.ListRevocationsRequest)
+                     and request.session_id is None)
+    if isinstance(request, OPERATOR_ONLY) or every_session:
+        raise Unauthorized(None, type(request).__name__)
+    session_id = getattr(request, "session_id", None)
+    if session_id is None and isinstance(revocation_id := getattr(request, "revocation_id", None), str):
+        session_id = session_of_revocation(revocation_id)
+    owner = owner_of(session_id) if isinstance(session_id, str) else None
+    # An unknown id passes through to its handler's unknown_session: ids are random, so that reveals nothing.
+    if owner is not None and owner != peer.key:
+        raise Unauthorized(session_id)
 
 
 # Key files -----------------------------------------------------------------------------------

@@ -630,7 +630,7 @@ def parser() -> argparse.ArgumentParser:
     fleet_serve.add_argument("--node-port", type=int, default=0, metavar="PORT",
                              help="with --fleet-keys: the port node daemons bind (default: a free one each)")
     fleet_serve.add_argument("--door-config", type=Path, metavar="FILE",
-                             help="the door's own TOML: its [auth] keys for a tcp:// --endpoint (operators only)")
+                             help="the door's own TOML: its [auth] keys for a tcp:// --endpoint")
     fleet_serve.add_argument("--runtime", choices=["runc", "runsc"], default="runc")
     fleet_serve.add_argument("--sandbox-cpus", type=float, default=0.5, help="Ray CPU a session holds")
     fleet_serve.add_argument("--sandbox-memory-mb", type=int, default=512, help="Ray memory a session holds")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sandboxd import __version__
+from sandboxd import __version__, auth
 from sandboxd import protocol as p
 from sandboxd.auth import Peer
 from sandboxd.branch import Branches
@@ -26,7 +26,7 @@ from sandboxd.calls import Calls
 from sandboxd.config import DaemonConfig
 from sandboxd.copying import Copying
 from sandboxd.db import Database
-from sandboxd.errors import NotFound, SandboxdError, Unauthorized, UnknownSession, UnknownTool
+from sandboxd.errors import NotFound, SandboxdError, UnknownSession, UnknownTool
 from sandboxd.events import Events
 from sandboxd.firewall.handlers import FirewallHandlers, FirewallParticipant
 from sandboxd.firewall.service import Firewall
@@ -68,11 +68,7 @@ class Service:
               p.ListCallsRequest, p.OutboxRequest, p.PendingRevocationsRequest, p.RevocationStatusRequest,
               p.ListRevocationsRequest)
 
-    #: requests on the firewall's shared outbox: releasing a 'manual' hold is the operator's decision
-    #: and the outside world is not the agent's to reset or to read around its tools
-    OPERATOR_ONLY = (p.ReleaseCallRequest, p.DropCallRequest, p.ResolveCallRequest, p.WorldResetRequest,
-                     p.WorldStateRequest, p.RollbackRequest, p.ForkRequest, p.CompensateRequest,
-                     p.AdoptSessionRequest)
+    OPERATOR_ONLY = auth.OPERATOR_ONLY
 
     def __init__(self, config: DaemonConfig, db: Database, sandbox: Sandbox, store: SnapshotStore) -> None:
         self.config = config
@@ -187,20 +183,12 @@ class Service:
             return p.error_response(request.request_id, exc)
 
     def authorize(self, request: p.Request, peer: Peer) -> None:
-        """The one ownership check: a request naming a session, or a revocation of one, is its owner's."""
-        if peer.operator:
-            return
-        every_session = (isinstance(request, p.OutboxRequest | p.ListCallsRequest | p.ListRevocationsRequest)
-                         and request.session_id is None)
-        if isinstance(request, self.OPERATOR_ONLY) or every_session:
-            raise Unauthorized(None, type(request).__name__)
-        session_id = getattr(request, "session_id", None)
-        if session_id is None and isinstance(revocation_id := getattr(request, "revocation_id", None), str):
-            session_id = self.revocations.session_of(revocation_id)
-        row = self.sessions.get(session_id) if session_id is not None else None
-        # An unknown id passes through to its handler's unknown_session: ids are random, so that reveals nothing.
-        if row is not None and row.owner != peer.key:
-            raise Unauthorized(session_id)
+        """The one ownership check (`sandboxd.auth.authorize`) on this daemon's sessions."""
+        def owner_of(session_id: str) -> str | None:
+            row = self.sessions.get(session_id)
+            return row.owner if row is not None else None
+
+        auth.authorize(request, peer, owner_of, self.revocations.session_of)
 
     def wait_events(self, request: p.WaitEventsRequest, peer: Peer) -> p.Response | None:
         """A long-poll's answer now (its events, an error, or none left to wait for), or None to park it."""

@@ -22,9 +22,10 @@ it as to one daemon. Each request is forwarded to the node its session lives on:
   `POLL_S` until it has events or its wait runs out.
 
 The door reaches nodes as their endpoints say (`fleet.nodes`): ipc:// on one host, or tcp:// with
-CURVE, presenting the fleet's door key. Its own endpoint may be tcp:// too, with its own [auth]; it
-then serves operator keys only, since it does not yet keep who opened which session (every session
-a node sees is the door's), so a non-operator could act on another agent's sessions through it.
+CURVE, presenting the fleet's door key. Its own endpoint may be tcp:// too, with its own [auth]. Every
+session a node sees is the door's (the nodes admit the door's key alone, as an operator), so the door
+keeps who opened which: it stamps the opener's key as the session's owner in the shared state, and
+checks every request by the daemon's own rule (`sandboxd.auth.authorize`) before forwarding it.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ import ray
 import zmq
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+from sandboxd import auth
 from sandboxd import protocol as p
 from sandboxd.auth import Peer
 from sandboxd.client import Client, DaemonUnreachable
 from sandboxd.db import Database
-from sandboxd.errors import SandboxdError, SandboxUnavailable, Unauthorized, UnknownSession
+from sandboxd.errors import SandboxdError, SandboxUnavailable, UnknownSession
 from sandboxd.fleet.keys import FleetKeys
 from sandboxd.fleet.nodes import NodeSpec, alive_nodes, start_node
 from sandboxd.fleet.placement import Placements
@@ -240,9 +242,9 @@ class Fleet:
         try:
             self._authorize(request, peer)
             if isinstance(request, p.OpenSessionRequest):
-                return self._open(request)
+                return self._open(request, peer)
             if isinstance(request, p.ListSessionsRequest):
-                return self._list(request)
+                return self._list(request, peer)
             if isinstance(request, p.AdoptSessionRequest):
                 return self._adopt(request)
             if isinstance(request, p.ForkRequest):
@@ -255,15 +257,28 @@ class Fleet:
         except SandboxdError as exc:
             return p.error_response(request.request_id, exc)
 
-    @staticmethod
-    def _authorize(request: p.Request, peer: Peer) -> None:
-        """Operators only: every session a node sees is the door's, so the nodes cannot tell agents apart."""
-        if not peer.operator:
-            raise Unauthorized(getattr(request, "session_id", None), type(request).__name__)
+    def _authorize(self, request: p.Request, peer: Peer) -> None:
+        auth.authorize(request, peer, self._owner_of, self._session_of_revocation)
 
-    def _open(self, request: p.OpenSessionRequest) -> p.Response:
+    def _owner_of(self, session_id: str) -> str | None:
+        owner = self.db.value("SELECT owner FROM sessions WHERE session_id = ?", [session_id])
+        return owner if isinstance(owner, str) else None
+
+    def _session_of_revocation(self, revocation_id: str) -> str | None:
+        session_id = self.db.value("SELECT session_id FROM revocations WHERE revocation_id = ?", [revocation_id])
+        return session_id if isinstance(session_id, str) else None
+
+    def _open(self, request: p.OpenSessionRequest, peer: Peer) -> p.Response:
         group, node_id = self._place()
-        return self._holding(group, node_id, request)
+        reply = self._holding(group, node_id, request)
+        if isinstance(reply, p.OpenSessionResponse):
+            # The node stamped the door's key. Until this update the session is nobody's but an operator's
+            # (the rule refuses a key that is not the owner's), so the window denies rather than admits.
+            session_id = reply.session.session_id
+            with self.db.transaction():
+                self.db.execute("UPDATE sessions SET owner = ? WHERE session_id = ?", [peer.key, session_id])
+            reply = msgspec.structs.replace(reply, session=msgspec.structs.replace(reply.session, owner=peer.key))
+        return reply
 
     def _holding(self, group: PlacementGroup, node_id: str, request: p.OpenSessionRequest | p.ForkRequest
                  ) -> p.Response:
@@ -316,14 +331,14 @@ class Fleet:
             raise SandboxUnavailable(f"Ray placed the session on node {node_id}, which has no daemon")
         return group, node_id
 
-    def _list(self, request: p.ListSessionsRequest) -> p.Response:
+    def _list(self, request: p.ListSessionsRequest, peer: Peer) -> p.Response:
         sessions: list[p.SessionInfo] = []
         for node_id in sorted(set(self.nodes) - self.lost):
             reply = self.forward(node_id, request)
             if isinstance(reply, p.ErrorResponse):
                 return reply
             assert isinstance(reply, p.ListSessionsResponse)
-            sessions += reply.sessions
+            sessions += [s for s in reply.sessions if peer.operator or s.owner == peer.key]
         sessions.sort(key=lambda s: s.created_at)
         return p.ListSessionsResponse(request_id=request.request_id, sessions=sessions)
 

@@ -3,7 +3,8 @@ the door with its own [auth].
 
 Both Ray nodes run on this machine, but the door reaches their daemons only as it would on other hosts:
 on tcp://<the Ray node's IP>:<port>, presenting the fleet's door key. A client without an admitted key
-gets nothing from a node's port. The door serves operator keys only. Forks through the door hold a
+gets nothing from a node's port. The door keeps who opened which session: an agent's key uses its own
+sessions and nobody else's, as on one daemon. Forks through the door hold a
 placement group on their parent's node, and are refused, before they exist, when that node has no room.
 The nodes use the copy snapshot backend: a session lost with its node is re-created on the other from
 its last export, whose unchanged files were hard links to the export before it.
@@ -55,7 +56,8 @@ def tcp_fleet(pg_server: Any) -> Iterator[dict[str, Any]]:
                     keys_dir=str(root / "keys"))
     for name in ("door-server", "operator"):
         generate_keys(root / "door-keys", name)
-    generate_keys(root / "door-keys" / "clients", "agent")
+    for name in ("agent", "other-agent"):
+        generate_keys(root / "door-keys" / "clients", name)
     door_config = root / "door.toml"
     door_config.write_text('[auth]\nserver_secret_key_file = "door-keys/door-server.key_secret"\n'
                            'client_keys_dir = "door-keys/clients"\noperator_keys = ["door-keys/operator.key"]\n')
@@ -92,13 +94,29 @@ def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: 
     assert len(set(door.nodes.values())) == 2
 
     door_keys = tcp_fleet["door_keys"]
-    agent = Client.with_key_files(tcp_fleet["endpoint"], door_keys / "door-server.key",
-                                  door_keys / "clients" / "agent.key_secret", timeout_s=30)
-    with pytest.raises(RemoteError) as refused, agent:  # admitted, but the door cannot tell its sessions apart
-        agent.open_session()
-    assert refused.value.code == ErrorCode.UNAUTHORIZED
+    agent, other = (Client.with_key_files(tcp_fleet["endpoint"], door_keys / "door-server.key",
+                                          door_keys / "clients" / f"{name}.key_secret", timeout_s=60)
+                    for name in ("agent", "other-agent"))
     client = operator(tcp_fleet)
     state = Database(tcp_fleet["url"])
+    # Every session a node sees is the door's; the door answers for who opened it, by the daemon's own rule.
+    with agent, other:
+        mine = agent.open_session()
+        assert mine.owner == read_public_key(door_keys / "clients" / "agent.key")
+        agent.call(mine.session_id, "write_file", {"path": "a.txt", "content": "agent's"})
+        assert agent.call(mine.session_id, "read_file", {"path": "a.txt"}).stdout == "agent's"
+        for attempt in (lambda: other.call(mine.session_id, "read_file", {"path": "a.txt"}),
+                        lambda: other.close_session(mine.session_id),
+                        lambda: other.calls(mine.session_id),
+                        lambda: agent.calls(None),  # every session's calls: an operator's view
+                        lambda: agent.fork(mine.session_id, "cp-none")):  # operators only, as on one daemon
+            with pytest.raises(RemoteError) as refused:
+                attempt()
+            assert refused.value.code == ErrorCode.UNAUTHORIZED
+        assert [s.session_id for s in agent.sessions()] == [mine.session_id]
+        assert other.sessions() == []
+        assert mine.session_id in {s.session_id for s in client.sessions()}  # the operator sees every one
+        agent.close_session(mine.session_id)  # and its placement group goes: the four below need the room
     sessions = [client.open_session().session_id for _ in range(4)]
     placed = {sid: state.value("SELECT node FROM sessions WHERE session_id = ?", [sid]) for sid in sessions}
     assert sorted(list(placed.values()).count(n) for n in door.nodes) == [2, 2], placed
@@ -131,7 +149,7 @@ def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: 
     with pytest.raises(RemoteError) as full:
         client.fork(parent, "cp-start")
     assert full.value.code == ErrorCode.SANDBOX_UNAVAILABLE and full.value.details["node"] == node
-    assert state.value("SELECT COUNT(*) FROM sessions") == 4  # no fork was made
+    assert state.value("SELECT COUNT(*) FROM sessions WHERE state != 'closed'") == 4  # no fork was made
     assert set(door.placements.groups) == set(sessions)
     neighbour = next(sid for sid in sessions if sid != parent and placed[sid] == node)
     client.close_session(neighbour)  # room on the parent's node
