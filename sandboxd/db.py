@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from sandboxd.errors import SandboxUnavailable
 from sandboxd.migrations import MIGRATIONS, Migration
 
 T = TypeVar("T")
@@ -51,6 +52,8 @@ log = logging.getLogger("sandboxd")
 FLUSH_S = 0.05
 #: connections for sessions' own transactions on a server (beyond the daemon's one writer connection)
 SESSION_WRITERS = 8
+#: the longest a session transaction waits for one of the SESSION_WRITERS connections
+POOL_WAIT_S = 60.0
 #: TRUNCATE checkpoints tried (each waiting up to the busy timeout for readers) before a purge gives up
 TRUNCATE_TRIES = 3
 
@@ -243,7 +246,7 @@ class Database:
         try:
             conn = self._pool.get_nowait()
         except queue.Empty:
-            conn = self._connect() if self._pool_made < SESSION_WRITERS else self._pool.get()
+            conn = self._connect() if self._pool_made < SESSION_WRITERS else self._pooled()
         self._local.session_conn, self._local.session = conn, session
         healthy = False
         try:
@@ -265,12 +268,26 @@ class Database:
                 with self._counts_lock:
                     self._pool_made -= 1
 
+    def _pooled(self) -> Any:
+        try:
+            return self._pool.get(timeout=POOL_WAIT_S)
+        except queue.Empty:
+            # Every writer busy this long means a stuck server, not load: the caller fails, it does not hang.
+            raise SandboxUnavailable(f"no state connection came free within {POOL_WAIT_S:.0f} s") from None
+
     def _connect(self) -> Any:
         from sandboxd import pg
 
         with self._counts_lock:
             self._pool_made += 1
-        conn = pg.Connection(self.url or "", node=self.node)
+        try:
+            conn = pg.Connection(self.url or "", node=self.node)
+        except BaseException:
+            # Not made: the count must not keep a place for it, or after SESSION_WRITERS failed connects
+            # (a server briefly down) every session transaction would wait for a connection never made.
+            with self._counts_lock:
+                self._pool_made -= 1
+            raise
         with self.lock:
             self._closing.append(conn)
         return conn
@@ -314,8 +331,8 @@ class Database:
 
     def _fsync_wal(self) -> None:
         if self.url is not None:
-            if self._closed.is_set():
-                return
+            if self._closed.is_set():  # not flushed, so not durable: said, not counted as done
+                raise RuntimeError("the state is closed: a commit after its last flush is not known to be durable")
             if self._flusher_conn is None:
                 from sandboxd import pg
 
@@ -455,12 +472,22 @@ class Database:
                 group = None if self._purge_all else sorted(self._purge_tables)
                 self._purge_all, self._purge_tables = False, set()
                 self._purge_cond.release()
+                done = False
                 try:
                     self._checkpoint(group)
+                    done = True
                 finally:
                     self._purge_cond.acquire()
                     self._purging = False
-                    self._purges_done = self._purges_begun
+                    if done:
+                        self._purges_done = self._purges_begun
+                    else:
+                        # A failed purge covers nobody: its tables go back, and each caller waiting for it
+                        # runs one of its own (and fails, or returns with its content gone).
+                        if group is None:
+                            self._purge_all = True
+                        else:
+                            self._purge_tables.update(group)
                     self._purge_cond.notify_all()
 
     def _checkpoint(self, tables: list[str] | None) -> None:
@@ -514,6 +541,10 @@ class Database:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
+        try:  # the lazy commits' last group: a stop must not leave them to the host's (or server's) luck
+            self._sync(self._commits)
+        except Exception:
+            log.warning("the state's last flush failed", exc_info=True)
         self._closed.set()
         self._unsynced.set()
         with self._sync_cond:  # a flush in flight on a server connection finishes before it closes

@@ -92,7 +92,11 @@ class NodeDaemon:
             self.endpoint = f"tcp://{host}:{spec.port or _free_port(ip)}"
             config = str(self.state_dir.parent / f"{node_id[:16]}.toml")
             user = Path(spec.config) if spec.config else None
-            Path(config).write_text(node_config_text(user, FleetKeys(Path(spec.keys_dir))))
+            # 0600: it may name the state database's URL, password included, as the user's file did.
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+            with os.fdopen(fd, "w") as fh:
+                fh.write(node_config_text(user, FleetKeys(Path(spec.keys_dir))))
         argv = [sys.executable, "-m", "sandboxd.cli", "serve", "--state-dir", str(self.state_dir),
                 "--state", spec.state, "--node-id", node_id, "--runtime", spec.runtime, "--endpoint", self.endpoint]
         if config:

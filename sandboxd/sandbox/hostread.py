@@ -75,7 +75,7 @@ class HostReader:
         if not self.usable or path in (None, "."):
             return None
         with self._workspace(workspace) as root, self._as_sandbox_user() as switched:
-            fd = self._open(root, path, _FLAGS) if switched and root >= 0 else -1
+            fd = self._open(root, path, _FLAGS) if switched and root >= 0 and self._regular(root, path) else -1
         if fd < 0:
             return None
         try:
@@ -86,6 +86,18 @@ class HostReader:
             return executor.file_reply(req["path"], _read_up_to(fd, cap + 1), st, cap)
         except OSError:
             return None
+        finally:
+            os.close(fd)
+
+    def _regular(self, root: int, path: str) -> bool:
+        """Whether the path is a regular file, looked at without opening it: opening a device node on the
+        host would be outside the container's device rules (the sandbox cannot make one, but an imported
+        workspace could carry one), and a FIFO's open could block."""
+        fd = self._open(root, path, os.O_PATH | os.O_CLOEXEC)
+        if fd < 0:
+            return False
+        try:
+            return stat.S_ISREG(os.fstat(fd).st_mode)
         finally:
             os.close(fd)
 
@@ -147,7 +159,10 @@ class HostReader:
             sys(_SYS_SETFSGID, self.gid)
             sys(_SYS_SETFSUID, self.uid)
             try:
-                yield True
+                # setfsuid and setfsgid fail silently (a daemon without CAP_SETUID or CAP_SETGID keeps its
+                # own identity): read back what took, or this thread would read as root what the
+                # sandbox user may not.
+                yield sys(_SYS_SETFSUID, -1) == self.uid and sys(_SYS_SETFSGID, -1) == self.gid
             finally:
                 sys(_SYS_SETFSUID, 0)
                 sys(_SYS_SETFSGID, 0)

@@ -154,6 +154,47 @@ def test_purges_asked_for_during_a_checkpoint_share_the_next_one(tmp_path_factor
     db.close()
 
 
+def test_a_failed_purge_covers_none_of_the_callers_waiting_for_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    db = Database(tmp_path_factory.mktemp("db") / "state.db", SCHEMA)
+    real, held, release = db._checkpoint, threading.Event(), threading.Event()
+    covered: list[list[str] | None] = []
+
+    def failing_once(tables: list[str] | None) -> None:
+        covered.append(tables)
+        if len(covered) == 1:
+            held.set()
+            assert release.wait(30)
+        if len(covered) == 2:
+            raise RuntimeError("the WAL could not be truncated")
+        real(tables)
+
+    db._checkpoint = failing_once  # type: ignore[method-assign]
+    first = in_thread(lambda: db.purge(["first"]))
+    assert held.wait(30)
+    outcomes: list[str] = []
+
+    def purge(table: str) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                db.purge([table])
+                outcomes.append("purged")
+            except RuntimeError:
+                outcomes.append("raised")
+        return run
+
+    others = [in_thread(purge(table)) for table in ("a", "b")]
+    wait_for(lambda: len(db._purge_cond._waiters) == 2, "both callers waiting")  # type: ignore[attr-defined]
+    release.set()
+    for thread in [first, *others]:
+        thread.join(30)
+        assert not thread.is_alive()
+    # The shared purge failed: its runner says so, and the other caller ran one of its own, covering
+    # every table the failed one had taken, instead of returning as if its content were gone.
+    assert sorted(outcomes) == ["purged", "raised"]
+    assert covered == [["first"], ["a", "b"], ["a", "b"]]
+    db.close()
+
+
 def test_a_purge_copies_the_wal_outside_the_writers_lock_and_leaves_no_deleted_value(
         db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
     secret = "purged-value-5c1e0b7a93"

@@ -177,3 +177,38 @@ def test_without_root_every_read_goes_to_the_executor(workspace: Path) -> None:
 def _identity() -> dict[str, str]:
     with open("/proc/thread-self/status") as fh:
         return {k: v.strip() for k, _, v in (line.partition(":") for line in fh) if k in ("Uid", "Gid", "Groups")}
+
+
+@root_only
+def test_a_device_node_is_never_opened_from_the_host(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only looked at (O_PATH): opened on the host, a device would be outside the container's device rules."""
+    import stat as stat_module
+
+    os.mknod(workspace / "null", 0o666 | stat_module.S_IFCHR, os.makedev(1, 3))
+    reader = HostReader(UID, GID)
+    opened: list[tuple[str, int]] = []
+    real = reader._open
+
+    def spy(root: int, path: str, flags: int) -> int:
+        opened.append((path, flags))
+        return real(root, path, flags)
+
+    monkeypatch.setattr(reader, "_open", spy)
+    assert reader.read_file(workspace, {"path": "null", "max_bytes": 10}) is None
+    assert opened and all(flags & os.O_PATH for _, flags in opened), opened
+
+
+@root_only
+def test_a_daemon_that_cannot_take_the_sandbox_users_identity_reads_nothing_from_the_host(workspace: Path) -> None:
+    """setfsuid fails silently without CAP_SETUID: a reader that trusted it would read as root."""
+    import subprocess
+    import sys
+
+    (workspace / "private").write_text("root's\n")
+    (workspace / "private").chmod(0o600)
+    probe = ("import sys; from pathlib import Path; from sandboxd.sandbox.hostread import HostReader; "
+             f"r = HostReader({UID}, {GID}); "
+             "print(r.read_file(Path(sys.argv[1]), {'path': 'private', 'max_bytes': 100}))")
+    out = subprocess.run(["setpriv", "--bounding-set=-setuid", sys.executable, "-c", probe, str(workspace)],
+                         capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]).stdout
+    assert out.strip() == "None", out

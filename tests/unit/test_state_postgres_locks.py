@@ -201,3 +201,26 @@ def test_a_failed_flush_fails_its_commit_and_the_next_flush_reconnects(pg_url: s
         db.execute(HOLD, ["c2", "s"])
     assert db.value("SELECT COUNT(*) FROM outbox_held") == 3
     db.close()
+
+
+def test_a_server_down_while_writers_connect_leaves_no_session_waiting_for_good(
+        two: tuple[Database, Database], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connects that fail keep no place in the pool: once the server answers again, sessions write."""
+    from sandboxd import db as db_module
+    from sandboxd import pg
+
+    one = two[0]
+    real = pg.Connection
+
+    def down(*args: object, **kwargs: object) -> object:
+        raise psycopg.OperationalError("the server is down")
+
+    monkeypatch.setattr(db_module, "POOL_WAIT_S", 5.0)  # were a place kept for them, this raises, not hangs
+    monkeypatch.setattr(pg, "Connection", down)
+    for k in range(db_module.SESSION_WRITERS + 2):
+        with pytest.raises(psycopg.OperationalError), one.transaction(session=f"s{k}"):
+            pass
+    monkeypatch.setattr(pg, "Connection", real)
+    with one.transaction(session="s1"):
+        one.execute(HOLD, ["back", "s1"])
+    assert one.value("SELECT session_id FROM outbox_held WHERE call_id = 'back'") == "s1"
