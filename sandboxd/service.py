@@ -279,7 +279,8 @@ class Service:
         return p.CloseSessionResponse(request_id=req.request_id, session_id=sid)
 
     def list_sessions(self, req: p.ListSessionsRequest, peer: Peer) -> p.ListSessionsResponse:
-        states = ("open", "closed", "failed") if req.include_closed else ("open",)
+        # Every state with --all: a session being closed (by its idle timeout, say) is still listed, not lost.
+        states = ("opening", "open", "closing", "closed", "failed", "lost") if req.include_closed else ("open",)
         rows = self.sessions.in_states(states, owner=None if peer.operator else peer.key)
         infos = []
         for row in rows:
