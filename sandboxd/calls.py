@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -47,6 +49,10 @@ from sandboxd.tools.builtin import executor_request
 from sandboxd.tools.registry import ToolRegistry
 
 log = logging.getLogger("sandboxd")
+
+#: what a read answered at once (`Calls.answering_now`) may touch: the socket thread must not stall on it
+NOW_BYTES, NOW_ENTRIES = 256 * 1024, 1024
+NOW_TOOLS = frozenset({"read_file", "list_dir"})
 
 _EXECUTOR_ERRORS: dict[str, Callable[[str, dict[str, Any]], SandboxdError]] = {
     "path_escape": lambda msg, d: PathEscape(str(d.get("path", "")), str(d.get("reason", msg))),
@@ -111,9 +117,12 @@ class Calls:
         self.forget = forget
         self.flagged = flagged
         self.streams = Streams()
+        self._now = threading.local()
+        """The call this thread answers at once: its session (whose lock it holds) and its host read."""
 
     def call(self, req: p.CallRequest) -> p.CallResponse:
-        manifest = self.tools.validate(req.tool, req.args)
+        now = getattr(self._now, "session", None) == req.session_id  # see `answering_now`
+        manifest = self._now.manifest if now else self.tools.validate(req.tool, req.args)
         if manifest.effect == "external" and self.config.firewall.flow_control:
             blocked = tainted_argument(req.args, self.flagged(req.session_id))
             if blocked is not None:
@@ -124,7 +133,7 @@ class Calls:
             self.sessions.check_open(req.session_id)
             result = self.effects.call(req, req.session_id)
             return p.CallResponse(request_id=req.request_id, result=self.sanitized(req.session_id, result))
-        with self.sessions.lock(req.session_id):
+        with self._session_lock(req.session_id):
             self.sessions.check_open(req.session_id)
             if req.call_id is not None and (record := self.record(req.session_id, req.call_id)) is not None:
                 return p.CallResponse(request_id=req.request_id, result=_answer_from_record(req, record))
@@ -132,7 +141,11 @@ class Calls:
                 raise ExternalUnavailable(f"{req.tool} is an external tool that no effect adapter serves",
                                           tool=req.tool)
             call_id = req.call_id or "c-" + uuid.uuid4().hex
-            self._begin(call_id, req, manifest.effect)
+            # Answered at once, a call is recorded once, as it is answered: it is never seen running, and a
+            # crash before its record loses nothing it acknowledged, nor anything a read did.
+            unbegun = (req, manifest.effect) if now else None
+            if unbegun is None:
+                self._begin(call_id, req, manifest.effect)
             try:
                 result = self.sanitized(req.session_id, self._execute(req, call_id))
             except SandboxdError as exc:
@@ -143,16 +156,73 @@ class Calls:
                 code, message, details = to_wire(exc)
                 status = "timeout" if isinstance(exc, ToolTimeout) else "error"
                 self._finish(req.session_id, call_id, status,
-                             {"kind": "error", "code": code.value, "message": message, "details": details})
+                             {"kind": "error", "code": code.value, "message": message, "details": details}, unbegun)
                 log.info("call %s of %s: %s", call_id, req.tool, status,
                          extra={"request_id": req.request_id, "session_id": req.session_id, "call_id": call_id})
                 raise
             finally:
                 self.streams.close(req.session_id, call_id)
-            self._finish(req.session_id, call_id, "done", {"kind": "result", **msgspec.to_builtins(result)})
+            self._finish(req.session_id, call_id, "done", {"kind": "result", **msgspec.to_builtins(result)}, unbegun)
             log.debug("call %s of %s: done", call_id, req.tool,
                       extra={"request_id": req.request_id, "session_id": req.session_id, "call_id": call_id})
         return p.CallResponse(request_id=req.request_id, result=result)
+
+    @contextmanager
+    def answering_now(self, req: p.CallRequest) -> Iterator[bool]:
+        """Whether this call can be answered without waiting on anything, on the daemon's socket thread: True
+        within the block when it can, and `call` then serves it as any call, its locks held and its read done.
+
+        A worker's hand-off and the wake of the socket thread by its reply cost more, on an idle machine,
+        than a small read's whole work in the daemon. So a read the host answers (`sandboxd.sandbox.hostread`)
+        of a small file or directory, in a session no request is using, on an embedded database whose writer
+        no one holds, is answered where it arrives: its records are written as any call's, in the same
+        order, under the same locks, taken without waiting. Anything else (a lock held, a larger file, a read
+        only the executor can answer, a server's state, a stream) is False here, with nothing done yet. The one
+        wait left is SQLite's own: the commit that takes the WAL past its threshold (every thousand pages or
+        so) copies it into the database, as it would on a worker, and holds this thread for those ms."""
+        if req.tool not in NOW_TOOLS or req.stream or self.db.url is not None or self.effects.serves(req.tool):
+            yield False
+            return
+        lock = self.sessions.lock(req.session_id)
+        if not lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            if not self.db.lock.acquire(blocking=False):
+                yield False
+                return
+            try:
+                row, reply = self.sessions.get(req.session_id), None
+                try:
+                    manifest = self.tools.validate(req.tool, req.args)
+                    payload = self._payload(req)
+                except Exception:  # noqa: BLE001 - not answered here: a worker gives the error, as always
+                    pass
+                else:
+                    if row is not None and row.state == "open":
+                        reply = self.sessions.sandbox.read_now(
+                            req.session_id, payload, NOW_BYTES if req.tool == "read_file" else NOW_ENTRIES)
+                if reply is None or row is None:
+                    yield False
+                    return
+                self._now.session, self._now.reply, self._now.manifest = req.session_id, reply, manifest
+                try:
+                    with self.sessions.holding(row):
+                        yield True
+                finally:
+                    self._now.session = self._now.reply = self._now.manifest = None
+            finally:
+                self.db.lock.release()
+        finally:
+            lock.release()
+
+    @contextmanager
+    def _session_lock(self, session_id: str) -> Iterator[None]:
+        if getattr(self._now, "session", None) == session_id:
+            yield  # answered at once: `answering_now` holds it
+            return
+        with self.sessions.lock(session_id):
+            yield
 
     def output(self, req: p.CallOutputRequest) -> p.CallOutputResponse:
         """What a streamed call has written so far (a long-poll; never takes the session lock the call holds)."""
@@ -180,20 +250,27 @@ class Calls:
 
     # Running in the sandbox --------------------------------------------------------------------
 
-    def _execute(self, req: p.CallRequest, call_id: str) -> p.CallResult:
+    def _payload(self, req: p.CallRequest) -> dict[str, Any]:
         limits = self.config.tools
         timeout = min(float(req.args.get("timeout_s") or req.timeout_s or limits.timeout_s), limits.max_timeout_s)
         payload = executor_request(req.tool, req.args)
         payload.update(timeout=timeout, output_bytes=limits.output_bytes, max_bytes=limits.read_bytes)
         if req.clock is not None:
             payload["clock"] = req.clock
+        return payload
+
+    def _execute(self, req: p.CallRequest, call_id: str) -> p.CallResult:
+        payload = self._payload(req)
+        timeout = float(payload["timeout"])
         started = time.monotonic()
         on_output = None
         if req.stream and not self.forget(req.session_id):  # see sandboxd.streams
             payload["stream"] = True
             on_output = self.streams.open(req.session_id, call_id).write
         try:
-            reply = self.sessions.executor(req.session_id, payload, timeout + 10.0, on_output)
+            done = getattr(self._now, "reply", None)
+            reply = done if done is not None else self.sessions.executor(req.session_id, payload, timeout + 10.0,
+                                                                          on_output)
         except SandboxUnavailable as exc:
             if not exc.details.get("oom_killed"):
                 raise
@@ -229,8 +306,10 @@ class Calls:
             return self.db.structs("SELECT * FROM calls ORDER BY created_at, seq", [], CallRow)
         return self.db.structs("SELECT * FROM calls WHERE session_id = ? ORDER BY seq", [session_id], CallRow)
 
-    def _begin(self, call_id: str, req: p.CallRequest, effect: str) -> None:
+    def _begin(self, call_id: str, req: p.CallRequest, effect: str,
+               done: tuple[str, dict[str, Any]] | None = None) -> None:
         """Record a call as running before it runs (write-ahead); a write call makes the sandbox dirty.
+        `done`: as ended (status, result) instead, for a call that was not recorded before it ran.
 
         Lazy commits, here and in `_finish`: in the WAL before the call runs or is answered, so a `kill -9`
         loses neither; only a host crash within `FLUSH_S` could (see sandboxd.db). Both write the session's
@@ -239,11 +318,14 @@ class Calls:
             if effect == "write":
                 self.db.update("sessions", {"session_id": req.session_id}, env_snapshot=None)
             # The next seq numbered in the INSERT itself: one statement, one round trip to a server.
+            status, result = done or ("running", None)
             self.db.execute(
-                "INSERT INTO calls (call_id, session_id, seq, tool, args, effect, status, created_at, branch, turn) "
-                "SELECT ?, ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, 'running', ?, ?, ? FROM calls WHERE session_id = ?",
-                [call_id, req.session_id, req.tool, canonical_args(req.args), effect, time.time(), req.branch,
-                 req.turn, req.session_id])
+                "INSERT INTO calls (call_id, session_id, seq, tool, args, effect, status, result, created_at, "
+                "finished_at, branch, turn) SELECT ?, ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, ?, ?, ?, ?, ?, ? "
+                "FROM calls WHERE session_id = ?",
+                [call_id, req.session_id, req.tool, canonical_args(req.args), effect, status,
+                 None if result is None else json.dumps(result), time.time(), None if done is None else time.time(),
+                 req.branch, req.turn, req.session_id])
 
     def begin_operation(self, session_id: str, tool: str, args: dict[str, Any], effect: str) -> str:
         """Record an operation on the sandbox that is no tool call (`sandboxd cp`) as running, like a call, so
@@ -261,7 +343,11 @@ class Calls:
         else:
             self._finish(session_id, call_id, "done", {"kind": "result", **result})
 
-    def _finish(self, session_id: str, call_id: str, status: str, result: dict[str, Any]) -> None:
+    def _finish(self, session_id: str, call_id: str, status: str, result: dict[str, Any],
+                unbegun: tuple[p.CallRequest, str] | None = None) -> None:
+        if unbegun is not None:
+            self._begin(call_id, *unbegun, done=(status, result))
+            return
         with self.db.transaction(lazy=True, session=session_id):
             self.db.update("calls", {"session_id": session_id, "call_id": call_id}, status=status,
                            result=json.dumps(result), finished_at=time.time())

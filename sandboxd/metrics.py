@@ -199,6 +199,9 @@ class DaemonMetrics:
                                ("tool", "effect", "outcome"))
         self.call_seconds = r.histogram("sandboxd_tool_call_seconds", "Time to answer a tool call, by effect class.",
                                         ("effect",))
+        self.answered_now = r.counter("sandboxd_calls_answered_now_total",
+                                      "Tool calls answered on the socket thread, without a worker (small reads "
+                                      "of a session no other request is using).")
         self.snapshots = r.counter("sandboxd_snapshot_operations_total",
                                    "Snapshots taken and restored (agent checkpoints and revocations included), "
                                    "by operation and outcome.", ("op", "outcome"))

@@ -1,7 +1,9 @@
 """The daemon loop: receive -> decode -> handler for that type -> reply, over ZeroMQ ROUTER sockets.
 
 The socket thread owns the ROUTERs (ZeroMQ sockets are not thread-safe). Cheap requests are answered
-inline; the rest go to a worker pool, whose threads hand their replies back through an inproc
+inline, and so is a call the service can serve without waiting on anything (`Handler.answer_now`: a
+small read of a session no request is using or is queued for, so calls of one session keep their
+order); the rest go to a worker pool, whose threads hand their replies back through an inproc
 PUSH/PULL pair that the socket thread polls alongside the ROUTERs.
 
 A `WaitEvents` long-poll is parked on the socket thread, not on a worker: it is answered when an event
@@ -49,6 +51,8 @@ class Handler(Protocol):
 
     def handle(self, request: p.Request, peer: Peer) -> p.Response: ...
 
+    def answer_now(self, request: p.Request, peer: Peer) -> p.Response | None: ...
+
     def wait_events(self, request: p.WaitEventsRequest, peer: Peer) -> p.Response | None: ...
 
     def no_events(self, request: p.WaitEventsRequest) -> p.Response: ...
@@ -90,6 +94,9 @@ class Server:
         self._push_sockets: list[zmq.Socket[bytes]] = []
         self._waiting: frozenset[str] = frozenset()
         """Sessions with a parked long-poll (written by the socket thread only, replaced whole)."""
+        self._queued: dict[str, int] = {}
+        """Requests naming each session that a worker has yet to finish (under `_queued_lock`)."""
+        self._queued_lock = threading.Lock()
         service.events.listen(self._wake)
 
     def stop(self) -> None:
@@ -206,8 +213,30 @@ class Server:
             self._park(index, envelope, request, peer, router)
         elif isinstance(request, self.service.INLINE):
             router.send_multipart([*envelope, p.encode(self.service.handle(request, peer))])
+        elif (reply := self._answer_now(request, peer)) is not None:
+            router.send_multipart([*envelope, p.encode(reply)])
         else:
+            session_id = getattr(request, "session_id", None)
+            if isinstance(session_id, str):
+                with self._queued_lock:
+                    self._queued[session_id] = self._queued.get(session_id, 0) + 1
             self._pool.submit(self._work, index, envelope, request, peer)
+
+    def _answer_now(self, request: p.Request, peer: Peer) -> p.Response | None:
+        """The service's reply at once, unless a worker has a request of the same session yet to finish:
+        answered now, a read could overtake a write sent before it."""
+        session_id = getattr(request, "session_id", None)
+        with self._queued_lock:
+            if session_id in self._queued:
+                return None
+        try:
+            reply = self.service.answer_now(request, peer)
+        except AssertionError:
+            log.critical("invariant broken; exiting", exc_info=True)
+            os._exit(70)
+        if reply is not None:
+            self.service.metrics.answered_now.inc()
+        return reply
 
     def _park(self, index: int, envelope: list[bytes], request: p.WaitEventsRequest, peer: Peer,
               router: zmq.Socket[bytes]) -> None:
@@ -255,6 +284,14 @@ class Server:
             # A broken invariant: stop loudly rather than keep serving from a state we do not trust.
             log.critical("invariant broken; exiting", exc_info=True)
             os._exit(70)
+        finally:
+            session_id = getattr(request, "session_id", None)
+            if isinstance(session_id, str):
+                with self._queued_lock:
+                    if (left := self._queued.get(session_id, 1) - 1) > 0:
+                        self._queued[session_id] = left
+                    else:
+                        self._queued.pop(session_id, None)
         self._push().send_multipart([bytes([index]), *envelope, p.encode(reply)])
 
     def _push(self) -> zmq.Socket[bytes]:

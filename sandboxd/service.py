@@ -158,6 +158,14 @@ class Service:
             self.events.publish(sid, kind, getattr(result, "call_id", "") or "")
         return reply
 
+    def answer_now(self, request: p.Request, peer: Peer) -> p.Response | None:
+        """The reply to a request that can be served without waiting on anything (see `Calls.answering_now`),
+        served as `handle` serves it; None when it cannot, with nothing done: a worker serves it."""
+        if not isinstance(request, p.CallRequest):
+            return None
+        with self.calls.answering_now(request) as ready:
+            return self.handle(request, peer) if ready else None
+
     def _serve(self, request: p.Request, peer: Peer) -> p.Response:
         try:
             self.authorize(request, peer)

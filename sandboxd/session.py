@@ -110,6 +110,7 @@ class Sessions:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._started_at = time.time()
+        self._held = threading.local()
         self._last_used: dict[str, float] = {}
         """When a request last named each session, in this daemon run (kept in memory: a write per read
         request would cost more than an idle clock that restarts with the daemon is worth)."""
@@ -117,7 +118,21 @@ class Sessions:
     # Rows --------------------------------------------------------------------------------------
 
     def get(self, session_id: str) -> SessionRow | None:
+        held: SessionRow | None = getattr(self._held, "row", None)
+        if held is not None and held.session_id == session_id:
+            return held
         return self.db.struct("SELECT * FROM sessions WHERE session_id = ?", [session_id], SessionRow)
+
+    @contextmanager
+    def holding(self, row: SessionRow) -> Iterator[None]:
+        """Within the block this thread reads the session's row as `row`, read by a caller that holds the
+        writers' lock throughout (`Calls.answering_now`): no write can change it meanwhile, so reading it
+        again, as the ownership check and then the call do, would only cost the time."""
+        self._held.row = row
+        try:
+            yield
+        finally:
+            self._held.row = None
 
     def known(self, session_id: str) -> SessionRow:
         row = self.get(session_id)

@@ -93,6 +93,7 @@ class Fleet:
     """The door's `Handler`: places sessions with Ray, forwards requests, marks lost nodes' sessions."""
 
     INLINE: tuple[type[Any], ...] = ()  # every request is forwarded, which blocks: all go to the workers
+    answer_now = staticmethod(lambda request, peer: None)  # nor is any answered on the socket thread
 
     def __init__(self, spec: NodeSpec, cpus: float = 0.5, memory_mb: int = 512) -> None:
         self.spec = spec
@@ -103,11 +104,9 @@ class Fleet:
         self.nodes: dict[str, str] = {}  # node id -> its daemon's endpoint
         self.actors: dict[str, Any] = {}
         self.lost: set[str] = set()
+        self._local, self._stop, self._lock = threading.local(), threading.Event(), threading.Lock()
         self.curve = FleetKeys(Path(spec.keys_dir)).door_curve() if spec.keys_dir else None
         """(nodes' public key, door's public key, door's secret key): how the door connects to tcp nodes."""
-        self._local = threading.local()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
 
     # Nodes -------------------------------------------------------------------------------------
 

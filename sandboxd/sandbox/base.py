@@ -48,6 +48,11 @@ class Sandbox(Protocol):
         call's output goes to `on_output(stream, text)` as it comes, where the sandbox can stream."""
         ...
 
+    def read_now(self, session_id: str, payload: dict[str, Any], at_most: int) -> dict[str, Any] | None:
+        """What `request` answers to a read_file or list_dir payload, where that can be had without waiting
+        on anything and the file holds at most `at_most` bytes (a directory, entries); else None."""
+        ...
+
     def oom_killed(self, session_id: str) -> bool:
         """Whether the whole sandbox was stopped for running out of memory."""
         ...

@@ -58,15 +58,19 @@ class ExecutorChannel:
                 self._close()
                 raise SandboxUnavailable(f"executor channel failed: {exc}", socket=str(self.socket_path)) from exc
 
-    def alive(self) -> bool:
+    def alive(self, wait: bool = True) -> bool:
         """Whether the connection is open and the executor has not closed its end (it exited, or its
-        container stopped): one poll, no round trip."""
-        with self._lock:
+        container stopped): one poll, no round trip. Without `wait`, False while a request holds it."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
             if self._sock is None:
                 return False
             poller = select.poll()
             poller.register(self._sock, select.POLLIN | select.POLLRDHUP)
             return not poller.poll(0)  # between requests nothing is due: any event is an end or garbage
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:

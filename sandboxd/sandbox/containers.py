@@ -6,14 +6,12 @@ pids, memory (swap included) and CPU, and a non-root user. The only writable per
 the workspace, bound from the snapshot store's mount root.
 
 Under runsc (gVisor) the same options hold, and the runtime must be registered with the arguments
-`RUNSC_ARGS` (docker/ensure-runsc.sh does it); see `check_runtime` for why each is needed.
+`sandboxd.sandbox.runsc.RUNSC_ARGS` (docker/ensure-runsc.sh does it); see `check_runtime`.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 import os
 import shutil
 import threading
@@ -33,6 +31,7 @@ from sandboxd.errors import SandboxUnavailable
 from sandboxd.revocation.leakscan import LeakReport, scan_inside, scan_paths
 from sandboxd.sandbox.channel import ExecutorChannel
 from sandboxd.sandbox.hostread import HostReader
+from sandboxd.sandbox.runsc import RUNSC_ARGS, runsc_seccomp_profile
 from snapshots.base import write_atomic
 
 SOCKET_IN_CONTAINER = "/run/sandboxd/exec.sock"
@@ -40,35 +39,6 @@ LABEL_SESSION = "sandboxd.session"
 LABEL_INSTANCE = "sandboxd.instance"
 #: scratch mounts of a sandbox: tmpfs, outside every snapshot, and held only by the container
 SCRATCH_PATHS = ("/tmp", "/dev/shm")
-
-RUNSC_ARGS = {
-    # gVisor's own network stack cannot start in the root network namespace, and a sandbox has none.
-    "--network=none": "the sandbox could not start",
-    # A unix socket bound inside gVisor lives in its kernel; `create` lets the sandbox make it a host
-    # socket in its bind mounts (and nothing more: `open`, connecting to host sockets, stays off).
-    "--host-uds=create": "the executor's socket would not be reachable from the daemon",
-    # Without it gVisor ignores the container's seccomp profile, and unshare(CLONE_NEWUSER) succeeds.
-    "--oci-seccomp": "a tool could create user and mount namespaces",
-}
-"""Arguments the engine's runsc runtime must carry, with what goes wrong without each."""
-
-
-@functools.cache
-def runsc_seccomp_profile() -> str:
-    """Docker's default seccomp profile, as runsc can enforce it, for a container's security options.
-
-    `seccomp-docker-default.json` is moby's profiles/seccomp/default.json of v20.10.24 (Apache-2.0), the
-    engine Debian bookworm ships, unchanged. That profile answers clone3 with ENOSYS so that glibc falls
-    back to clone, whose flags it can filter; gVisor 20221219 enforces the rule with EPERM instead, and
-    glibc then fails every pthread_create. Here clone3 is allowed: this gVisor does not implement it and
-    answers ENOSYS itself (tests/integration/test_hardening.py checks that no namespace can be made).
-    """
-    profile = json.loads(resources.files("sandboxd.sandbox").joinpath("seccomp-docker-default.json").read_text())
-    rules = [rule for rule in profile["syscalls"] if rule["names"] != ["clone3"]]
-    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ALLOW"})
-    profile["syscalls"] = rules
-    return json.dumps(profile)
-
 
 class ContainerManager:
     """Creates, starts, finds and removes session containers of one daemon instance."""
@@ -250,6 +220,17 @@ class ContainerManager:
             if (reply := read(workspace, payload)) is not None:
                 return reply
         return channel.request(payload, timeout, on_output)
+
+    def read_now(self, session_id: str, payload: dict[str, Any], at_most: int) -> dict[str, Any] | None:
+        """The host's answer to a read as `request` would give it, or None: only where nothing can wait (no
+        engine lookup, no executor, a channel no request holds) and the read is small (`at_most`)."""
+        reader, op = self._host_reader, payload.get("op")
+        with self._lock:
+            workspace, channel = self._workspaces.get(session_id), self._channels.get(session_id)
+        if reader is None or workspace is None or channel is None or not channel.alive(wait=False):
+            return None
+        read = reader.read_file if op == "read_file" else reader.list_dir if op == "list_dir" else None
+        return read(workspace, payload, at_most) if read is not None else None
 
     def _workspace(self, session_id: str) -> Path | None:
         """The host directory that is the session's /workspace: from `create`, or after a daemon restart from

@@ -69,8 +69,9 @@ class HostReader:
         return int(self._libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) if isinstance(a, int) else a
                                                                for a in args)))
 
-    def read_file(self, workspace: Path, req: dict[str, Any]) -> dict[str, Any] | None:
-        """The executor's reply to this read_file request, or None when only the executor can give it."""
+    def read_file(self, workspace: Path, req: dict[str, Any], at_most: int | None = None) -> dict[str, Any] | None:
+        """The executor's reply to this read_file request, or None when only the executor can give it (or, with
+        `at_most`, when the file is larger than that many bytes)."""
         path = _relative(req["path"])
         if not self.usable or path in (None, "."):
             return None
@@ -80,7 +81,7 @@ class HostReader:
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or (at_most is not None and st.st_size > at_most):
                 return None
             cap = int(req["max_bytes"])
             return executor.file_reply(req["path"], _read_up_to(fd, cap + 1), st, cap)
@@ -101,10 +102,11 @@ class HostReader:
         finally:
             os.close(fd)
 
-    def list_dir(self, workspace: Path, req: dict[str, Any]) -> dict[str, Any] | None:
+    def list_dir(self, workspace: Path, req: dict[str, Any], at_most: int | None = None) -> dict[str, Any] | None:
         """The executor's reply to a (non-recursive) list_dir request, or None when only the executor can give
-        it. The entries are read and lstat'ed as the sandbox user too: a directory it may read but not search
-        lists its names there, and fails on their lstat."""
+        it (or, with `at_most`, when the directory holds more entries than that). The entries are read and
+        lstat'ed as the sandbox user too: a directory it may read but not search lists its names there, and
+        fails on their lstat."""
         path = _relative(req.get("path") or ".")
         if not self.usable or path is None or req.get("recursive"):
             return None  # os.walk's way with unreadable subdirectories is the executor's to keep
@@ -113,6 +115,8 @@ class HostReader:
                 fd = self._open(root, path, _FLAGS | os.O_DIRECTORY) if switched and root >= 0 else -1
                 try:
                     names = os.listdir(fd) if fd >= 0 else None
+                    if names is not None and at_most is not None and len(names) > at_most:
+                        names = None  # declined before the lstat of each, which is the cost that grows
                     stats = [(name, os.stat(name, dir_fd=fd, follow_symlinks=False)) for name in names or ()]
                 except OSError:
                     names = None
@@ -120,6 +124,9 @@ class HostReader:
                 if fd >= 0:
                     os.close(fd)
                 return None
+            if path == ".":  # the workspace itself, whose entries are named as they are: no walk to ask about
+                os.close(fd)
+                return executor.listing_reply(stats)
             try:
                 # Where the walk ended, as the container's realpath would name it relative to /workspace.
                 top, base = os.readlink(f"/proc/self/fd/{root}"), os.readlink(f"/proc/self/fd/{fd}")

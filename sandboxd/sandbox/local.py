@@ -77,6 +77,18 @@ class LocalSandbox:
         finally:
             executor._workspace.reset(token)
 
+    def read_now(self, session_id: str, payload: dict[str, Any], at_most: int) -> dict[str, Any] | None:
+        """As `request` answers a read that succeeds, when it is small: a file's size or a listing's entries
+        at most `at_most` (measured after the read: nothing here can block)."""
+        if payload.get("op") not in ("read_file", "list_dir") or payload.get("recursive"):
+            return None
+        try:
+            reply = self.request(session_id, payload, 0.0)
+        except SandboxUnavailable:
+            return None
+        size = reply.get("stdout_size") if payload["op"] == "read_file" else str(reply.get("stdout")).count("\n") + 1
+        return reply if "error" not in reply and isinstance(size, int) and size <= at_most else None
+
     def oom_killed(self, session_id: str) -> bool:
         return False
 

@@ -12,6 +12,7 @@ import jsonschema
 from sandboxd.errors import InvalidArguments, PathEscape, UnknownTool
 from sandboxd.protocol import ToolManifest
 from sandboxd.tools.builtin import PATH_ARGUMENTS
+from sandboxd.tools.quickcheck import Check, compile_check
 
 WORKSPACE = "/workspace"
 
@@ -22,6 +23,8 @@ class ToolRegistry:
     def __init__(self, manifests: Iterable[ToolManifest]) -> None:
         self._tools: dict[str, ToolManifest] = {}
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
+        self._quick: dict[str, Check] = {}
+        """A fast yes for the flat schemas (`sandboxd.tools.quickcheck`); jsonschema still words every no."""
         for manifest in manifests:
             if manifest.name in self._tools:
                 raise ValueError(f"tool {manifest.name!r} is registered twice")
@@ -29,6 +32,8 @@ class ToolRegistry:
             cls.check_schema(manifest.parameters)
             self._tools[manifest.name] = manifest
             self._validators[manifest.name] = cls(manifest.parameters)
+            if (quick := compile_check(manifest.parameters)) is not None:
+                self._quick[manifest.name] = quick
 
     def manifests(self) -> list[ToolManifest]:
         """All manifests, sorted by name."""
@@ -45,9 +50,11 @@ class ToolRegistry:
         """Check `args` against the tool's schema and confine its paths; raise on the first problem."""
         manifest = self.get(name)
         check_json_numbers(name, args)
-        error = jsonschema.exceptions.best_match(self._validators[name].iter_errors(args))
-        if error is not None:
-            raise InvalidArguments(name, error.message, error.json_path)
+        quick = self._quick.get(name)
+        if quick is None or not quick(args):
+            error = jsonschema.exceptions.best_match(self._validators[name].iter_errors(args))
+            if error is not None:
+                raise InvalidArguments(name, error.message, error.json_path)
         for key in PATH_ARGUMENTS.get(name, ()):
             if key in args:
                 check_workspace_path(args[key])

@@ -20,7 +20,8 @@ from sandboxd.client import Client
 from sandboxd.config import DEFAULT_IMAGE, load_config
 from sandboxd.revocation import leakscan
 from sandboxd.revocation.leakscan import LeakReport, needles_for, scan_container, scan_images, scan_paths
-from sandboxd.sandbox.containers import ContainerManager, runsc_seccomp_profile
+from sandboxd.sandbox.containers import ContainerManager
+from sandboxd.sandbox.runsc import runsc_seccomp_profile
 from tests.integration.conftest import DaemonProcess, both_runtimes
 
 SECRET = 'tok-"Ωmega"-7781-revoke-me'

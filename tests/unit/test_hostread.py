@@ -212,3 +212,24 @@ def test_a_daemon_that_cannot_take_the_sandbox_users_identity_reads_nothing_from
     out = subprocess.run(["setpriv", "--bounding-set=-setuid", sys.executable, "-c", probe, str(workspace)],
                          capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]).stdout
     assert out.strip() == "None", out
+
+
+@root_only
+def test_a_read_bounded_by_at_most_declines_what_is_larger_and_answers_the_rest_alike(workspace: Path) -> None:
+    """`at_most` (reads answered on the daemon's socket thread): a file of more bytes, or a directory of more
+    entries, is declined before it is read; at or under the bound the reply is the unbounded one."""
+    (workspace / "small").write_bytes(b"x" * 100)
+    (workspace / "edge").write_bytes(b"y" * 101)
+    (workspace / "d").mkdir()
+    for i in range(5):
+        (workspace / "d" / f"f{i}").write_text("z")
+    reader = HostReader(UID, GID)
+    for path, size in (("small", 100), ("edge", 101)):
+        req = {"path": path, "max_bytes": 1000}
+        assert reader.read_file(workspace, req, at_most=101) == reader.read_file(workspace, req) is not None
+        assert reader.read_file(workspace, req, at_most=size - 1) is None
+    listing = {"path": "d"}
+    assert reader.list_dir(workspace, listing, at_most=5) == reader.list_dir(workspace, listing) is not None
+    assert reader.list_dir(workspace, listing, at_most=4) is None
+    assert reader.list_dir(workspace, {"path": "."}, at_most=3) is not None  # small, edge, d
+    assert reader.list_dir(workspace, {"path": "."}, at_most=2) is None

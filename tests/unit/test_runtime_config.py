@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandboxd.config import load_config
-from sandboxd.sandbox.containers import RUNSC_ARGS, runsc_seccomp_profile
+from sandboxd.sandbox.runsc import RUNSC_ARGS, runsc_seccomp_profile
 
 
 def test_runc_is_the_default(tmp_path: Path) -> None:
