@@ -50,10 +50,6 @@ from sandboxd.tools.registry import ToolRegistry
 
 log = logging.getLogger("sandboxd")
 
-#: what a read answered at once (`Calls.answering_now`) may touch: the socket thread must not stall on it
-NOW_BYTES, NOW_ENTRIES = 256 * 1024, 1024
-NOW_TOOLS = frozenset({"read_file", "list_dir"})
-
 _EXECUTOR_ERRORS: dict[str, Callable[[str, dict[str, Any]], SandboxdError]] = {
     "path_escape": lambda msg, d: PathEscape(str(d.get("path", "")), str(d.get("reason", msg))),
     "not_found": lambda msg, d: NotFound(msg, **d),
@@ -117,12 +113,13 @@ class Calls:
         self.forget = forget
         self.flagged = flagged
         self.streams = Streams()
-        self._now = threading.local()
-        """The call this thread answers at once: its session (whose lock it holds) and its host read."""
+        self.now = threading.local()
+        """The call this thread answers at once (`sandboxd.atonce`): its session (whose lock it holds), the
+        tool, its host read and when that began."""
 
     def call(self, req: p.CallRequest) -> p.CallResponse:
-        now = getattr(self._now, "session", None) == req.session_id  # see `answering_now`
-        manifest = self._now.manifest if now else self.tools.validate(req.tool, req.args)
+        now = getattr(self.now, "session", None) == req.session_id  # see `sandboxd.atonce`
+        manifest = self.now.manifest if now else self.tools.validate(req.tool, req.args)
         if manifest.effect == "external" and self.config.firewall.flow_control:
             blocked = tainted_argument(req.args, self.flagged(req.session_id))
             if blocked is not None:
@@ -168,58 +165,9 @@ class Calls:
         return p.CallResponse(request_id=req.request_id, result=result)
 
     @contextmanager
-    def answering_now(self, req: p.CallRequest) -> Iterator[bool]:
-        """Whether this call can be answered without waiting on anything, on the daemon's socket thread: True
-        within the block when it can, and `call` then serves it as any call, its locks held and its read done.
-
-        A worker's hand-off and the wake of the socket thread by its reply cost more, on an idle machine,
-        than a small read's whole work in the daemon. So a read the host answers (`sandboxd.sandbox.hostread`)
-        of a small file or directory, in a session no request is using, on an embedded database whose writer
-        no one holds, is answered where it arrives: its records are written as any call's, in the same
-        order, under the same locks, taken without waiting. Anything else (a lock held, a larger file, a read
-        only the executor can answer, a server's state, a stream) is False here, with nothing done yet. The one
-        wait left is SQLite's own: the commit that takes the WAL past its threshold (every thousand pages or
-        so) copies it into the database, as it would on a worker, and holds this thread for those ms."""
-        if req.tool not in NOW_TOOLS or req.stream or self.db.url is not None or self.effects.serves(req.tool):
-            yield False
-            return
-        lock = self.sessions.lock(req.session_id)
-        if not lock.acquire(blocking=False):
-            yield False
-            return
-        try:
-            if not self.db.lock.acquire(blocking=False):
-                yield False
-                return
-            try:
-                row, reply = self.sessions.get(req.session_id), None
-                try:
-                    manifest = self.tools.validate(req.tool, req.args)
-                    payload = self._payload(req)
-                except Exception:  # noqa: BLE001 - not answered here: a worker gives the error, as always
-                    pass
-                else:
-                    if row is not None and row.state == "open":
-                        reply = self.sessions.sandbox.read_now(
-                            req.session_id, payload, NOW_BYTES if req.tool == "read_file" else NOW_ENTRIES)
-                if reply is None or row is None:
-                    yield False
-                    return
-                self._now.session, self._now.reply, self._now.manifest = req.session_id, reply, manifest
-                try:
-                    with self.sessions.holding(row):
-                        yield True
-                finally:
-                    self._now.session = self._now.reply = self._now.manifest = None
-            finally:
-                self.db.lock.release()
-        finally:
-            lock.release()
-
-    @contextmanager
     def _session_lock(self, session_id: str) -> Iterator[None]:
-        if getattr(self._now, "session", None) == session_id:
-            yield  # answered at once: `answering_now` holds it
+        if getattr(self.now, "session", None) == session_id:
+            yield  # answered at once: `sandboxd.atonce.answering` holds it
             return
         with self.sessions.lock(session_id):
             yield
@@ -250,7 +198,7 @@ class Calls:
 
     # Running in the sandbox --------------------------------------------------------------------
 
-    def _payload(self, req: p.CallRequest) -> dict[str, Any]:
+    def payload(self, req: p.CallRequest) -> dict[str, Any]:
         limits = self.config.tools
         timeout = min(float(req.args.get("timeout_s") or req.timeout_s or limits.timeout_s), limits.max_timeout_s)
         payload = executor_request(req.tool, req.args)
@@ -260,15 +208,15 @@ class Calls:
         return payload
 
     def _execute(self, req: p.CallRequest, call_id: str) -> p.CallResult:
-        payload = self._payload(req)
+        payload = self.payload(req)
         timeout = float(payload["timeout"])
-        started = time.monotonic()
+        done = getattr(self.now, "reply", None)
+        started = self.now.started if done is not None else time.monotonic()  # an at-once read was done earlier
         on_output = None
         if req.stream and not self.forget(req.session_id):  # see sandboxd.streams
             payload["stream"] = True
             on_output = self.streams.open(req.session_id, call_id).write
         try:
-            done = getattr(self._now, "reply", None)
             reply = done if done is not None else self.sessions.executor(req.session_id, payload, timeout + 10.0,
                                                                           on_output)
         except SandboxUnavailable as exc:

@@ -69,10 +69,14 @@ class ToolManifest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         }
 
 
+SessionState = Literal["opening", "open", "closing", "closed", "failed", "lost"]
+
+
 class SessionInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_id: str
     image: str
-    state: Literal["open", "closed"]
+    state: SessionState
+    """Anything but open is listed only with `include_closed` (`sandboxd session list --all`)."""
     created_at: float
     container: str | None = None
     idle_timeout_s: float | None = None

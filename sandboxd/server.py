@@ -40,6 +40,19 @@ log = logging.getLogger("sandboxd")
 
 _REPLIES = "inproc://sandboxd-replies"
 _WAKES = "inproc://sandboxd-wakes"
+#: the queue key of a request that acts on a session it names only by a revocation or a call
+_ANY_SESSION = ""
+
+
+def _queue_key(request: p.Request) -> str | None:
+    """Whose reads must not be answered at once while this request waits for a worker: its session's, or
+    every session's when it changes one it does not name (a revocation's commit restores the workspace)."""
+    session_id = getattr(request, "session_id", None)
+    if isinstance(session_id, str):
+        return session_id
+    if getattr(request, "revocation_id", None) is not None or getattr(request, "call_id", None) is not None:
+        return _ANY_SESSION
+    return None
 
 
 class Handler(Protocol):
@@ -95,8 +108,8 @@ class Server:
         self._waiting: frozenset[str] = frozenset()
         """Sessions with a parked long-poll (written by the socket thread only, replaced whole)."""
         self._queued: dict[str, int] = {}
-        """Requests naming each session that a worker has yet to finish (under `_queued_lock`)."""
-        self._queued_lock = threading.Lock()
+        """Requests holding back each session's reads (`_queue_key`) whose replies are not yet forwarded
+        (the socket thread's own: counted up where a request goes to a worker, down where its reply leaves)."""
         service.events.listen(self._wake)
 
     def stop(self) -> None:
@@ -188,8 +201,14 @@ class Server:
 
     def _forward_replies(self, replies: zmq.Socket[bytes], listeners: list[_Listener]) -> None:
         while replies.poll(0):
-            index, *frames = replies.recv_multipart()
+            index, key, *frames = replies.recv_multipart()
             listeners[index[0]].socket.send_multipart(frames)
+            if key:  # b"=" and the key: see `_work`
+                key_text = key[1:].decode()
+                if (left := self._queued.get(key_text, 1) - 1) > 0:
+                    self._queued[key_text] = left
+                else:
+                    self._queued.pop(key_text, None)
 
     def _receive(self, index: int, listener: _Listener, frames: list[zmq.Frame]) -> None:
         router = listener.socket
@@ -216,19 +235,16 @@ class Server:
         elif (reply := self._answer_now(request, peer)) is not None:
             router.send_multipart([*envelope, p.encode(reply)])
         else:
-            session_id = getattr(request, "session_id", None)
-            if isinstance(session_id, str):
-                with self._queued_lock:
-                    self._queued[session_id] = self._queued.get(session_id, 0) + 1
+            if (key := _queue_key(request)) is not None:
+                self._queued[key] = self._queued.get(key, 0) + 1
             self._pool.submit(self._work, index, envelope, request, peer)
 
     def _answer_now(self, request: p.Request, peer: Peer) -> p.Response | None:
-        """The service's reply at once, unless a worker has a request of the same session yet to finish:
-        answered now, a read could overtake a write sent before it."""
+        """The service's reply at once, unless a request that holds it back is still at a worker or its
+        reply not yet sent: answered now, a read could overtake a write sent before it, or its reply."""
         session_id = getattr(request, "session_id", None)
-        with self._queued_lock:
-            if session_id in self._queued:
-                return None
+        if session_id in self._queued or _ANY_SESSION in self._queued:
+            return None
         try:
             reply = self.service.answer_now(request, peer)
         except AssertionError:
@@ -284,15 +300,10 @@ class Server:
             # A broken invariant: stop loudly rather than keep serving from a state we do not trust.
             log.critical("invariant broken; exiting", exc_info=True)
             os._exit(70)
-        finally:
-            session_id = getattr(request, "session_id", None)
-            if isinstance(session_id, str):
-                with self._queued_lock:
-                    if (left := self._queued.get(session_id, 1) - 1) > 0:
-                        self._queued[session_id] = left
-                    else:
-                        self._queued.pop(session_id, None)
-        self._push().send_multipart([bytes([index]), *envelope, p.encode(reply)])
+        # The request's queue key goes with its reply: the socket thread counts it down as the reply leaves.
+        key = _queue_key(request)
+        tag = b"" if key is None else b"=" + key.encode()
+        self._push().send_multipart([bytes([index]), tag, *envelope, p.encode(reply)])
 
     def _push(self) -> zmq.Socket[bytes]:
         """This worker's socket to the socket thread, made once per worker: a socket per reply cost more

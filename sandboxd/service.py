@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sandboxd import __version__, auth
+from sandboxd import __version__, atonce, auth
 from sandboxd import protocol as p
 from sandboxd.auth import Peer
 from sandboxd.branch import Branches
@@ -144,9 +144,10 @@ class Service:
 
     # The error boundary and the ownership check --------------------------------------------------
 
-    def handle(self, request: p.Request, peer: Peer) -> p.Response:
-        """Check `peer` may make this request, run its handler; every failure becomes an ErrorResponse."""
-        started = time.perf_counter()
+    def handle(self, request: p.Request, peer: Peer, started: float | None = None) -> p.Response:
+        """Check `peer` may make this request, run its handler; every failure becomes an ErrorResponse.
+        `started` (`time.perf_counter`) is when its work began, where that was before this call."""
+        started = time.perf_counter() if started is None else started
         reply = self._serve(request, peer)
         self.metrics.observe(request, reply, time.perf_counter() - started)
         sid = getattr(request, "session_id", None)
@@ -159,12 +160,13 @@ class Service:
         return reply
 
     def answer_now(self, request: p.Request, peer: Peer) -> p.Response | None:
-        """The reply to a request that can be served without waiting on anything (see `Calls.answering_now`),
+        """The reply to a request that can be served without waiting on anything (see `sandboxd.atonce`),
         served as `handle` serves it; None when it cannot, with nothing done: a worker serves it."""
         if not isinstance(request, p.CallRequest):
             return None
-        with self.calls.answering_now(request) as ready:
-            return self.handle(request, peer) if ready else None
+        started, may = time.perf_counter(), atonce.may_read(request, peer, self.revocations.session_of)
+        with atonce.answering(self.calls, request, may) as ready:
+            return self.handle(request, peer, started) if ready else None
 
     def _serve(self, request: p.Request, peer: Peer) -> p.Response:
         try:

@@ -50,11 +50,11 @@ CHECKPOINT_LABEL = "checkpoint"
 
 
 class SessionRow(msgspec.Struct, kw_only=True):
-    """A session as stored: `state` is opening, open, closing, closed or failed."""
+    """A session as stored: `state` is opening, open, closing, closed, failed or lost (a lost node's)."""
 
     session_id: str
     image: str
-    state: str
+    state: p.SessionState
     created_at: float
     owner: str
     """The opener's CURVE public key, or "local" for the owner of the ipc socket."""
@@ -72,7 +72,7 @@ class SessionRow(msgspec.Struct, kw_only=True):
 
     def info(self) -> p.SessionInfo:
         return p.SessionInfo(session_id=self.session_id, image=self.image,
-                             state="open" if self.state == "open" else "closed", created_at=self.created_at,
+                             state=self.state, created_at=self.created_at,
                              container=self.container_id, idle_timeout_s=self.idle_timeout_s, ttl_s=self.ttl_s,
                              closed_at=self.closed_at, owner=self.owner)
 
@@ -126,7 +126,7 @@ class Sessions:
     @contextmanager
     def holding(self, row: SessionRow) -> Iterator[None]:
         """Within the block this thread reads the session's row as `row`, read by a caller that holds the
-        writers' lock throughout (`Calls.answering_now`): no write can change it meanwhile, so reading it
+        writers' lock throughout (`sandboxd.atonce`): no write can change it meanwhile, so reading it
         again, as the ownership check and then the call do, would only cost the time."""
         self._held.row = row
         try:

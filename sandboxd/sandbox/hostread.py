@@ -28,6 +28,7 @@ engine remaps user namespaces (the sandbox's uid is not the host's).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import stat
 from collections.abc import Iterator
@@ -84,7 +85,12 @@ class HostReader:
             if not stat.S_ISREG(st.st_mode) or (at_most is not None and st.st_size > at_most):
                 return None
             cap = int(req["max_bytes"])
-            return executor.file_reply(req["path"], _read_up_to(fd, cap + 1), st, cap)
+            # With `at_most`, no more than that is read even of a file that grew since its fstat.
+            limit = cap if at_most is None else min(cap, at_most)
+            data = _read_up_to(fd, limit + 1)
+            if len(data) > limit and limit < cap:
+                return None
+            return executor.file_reply(req["path"], data, st, cap)
         except OSError:
             return None
         finally:
@@ -114,9 +120,7 @@ class HostReader:
             with self._as_sandbox_user() as switched:
                 fd = self._open(root, path, _FLAGS | os.O_DIRECTORY) if switched and root >= 0 else -1
                 try:
-                    names = os.listdir(fd) if fd >= 0 else None
-                    if names is not None and at_most is not None and len(names) > at_most:
-                        names = None  # declined before the lstat of each, which is the cost that grows
+                    names = _names(fd, at_most) if fd >= 0 else None
                     stats = [(name, os.stat(name, dir_fd=fd, follow_symlinks=False)) for name in names or ()]
                 except OSError:
                     names = None
@@ -203,3 +207,12 @@ def _read_up_to(fd: int, size: int) -> bytes:
         left -= len(chunk)
     return b"".join(chunks)
 
+
+def _names(fd: int, at_most: int | None) -> list[str] | None:
+    """The directory's names, or None when it holds more than `at_most`: found out after reading at most one
+    more, since a directory of a million entries takes the whole listing's time to read, not just its lstats."""
+    if at_most is None:
+        return os.listdir(fd)
+    with os.scandir(fd) as entries:
+        names = [entry.name for entry in itertools.islice(entries, at_most + 1)]
+    return None if len(names) > at_most else names

@@ -45,7 +45,8 @@ def _bound(value: Any) -> bool:
 def _scalar(schema: Any) -> Check | None:
     if not isinstance(schema, Mapping) or not set(schema) <= _SCALAR_KEYS:
         return None
-    is_type = _TYPES.get(schema.get("type"))  # type: ignore[arg-type]
+    kind = schema.get("type")
+    is_type = _TYPES.get(kind) if isinstance(kind, str) else None  # a list of types is jsonschema's to check
     if is_type is None:
         return None
     checks: list[Check] = [is_type]

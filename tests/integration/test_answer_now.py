@@ -66,7 +66,9 @@ def test_a_read_keeps_its_place_behind_its_sessions_call_and_another_sessions_re
     assert second.call(busy, "read_file", {"path": "f.txt"}).stdout == "late\n"
     finished["same session's read"] = time.monotonic()
     thread.join(30)
-    assert sorted(finished, key=finished.__getitem__) == ["other session's read", "shell", "same session's read"]
+    # The shell's end and the same session's read are told apart by what the read saw (the file the shell
+    # wrote last), not by the clock: their replies come back a moment apart, to two threads in any order.
+    assert finished["other session's read"] < finished["shell"]
 
 
 def test_a_read_answered_at_once_survives_kill_9(metered: tuple[DaemonProcess, int]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -17,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sandboxd import protocol as p
+from sandboxd.atonce import NOW_BYTES, NOW_ENTRIES
 from sandboxd.auth import LOCAL_PEER, Peer
-from sandboxd.calls import NOW_BYTES, NOW_ENTRIES
 from tests.unit.test_core_service import FAST, Daemon, daemon
 
 NAMES = st.sampled_from(["a.txt", "b.txt", "d/c.txt", "missing.txt", "d", ".", "../out", "/etc/passwd", "big.bin",
@@ -140,15 +141,76 @@ def test_a_call_that_would_wait_for_a_lock_is_declined_with_nothing_done(holder:
         assert d.service.answer_now(request, LOCAL_PEER) is not None  # free again: answered
 
 
-def test_a_closed_session_or_another_owners_is_not_answered_at_once() -> None:
+def test_a_closed_session_or_another_owners_is_not_answered_at_once_nor_read() -> None:
     with daemon() as d:
         sid = _prepare(d)
         request = p.CallRequest(request_id="r", session_id=sid, tool="read_file", args={"path": "a.txt"})
         stranger = Peer("x" * 40, operator=False)
+        reads: list[str] = []
+        read_now = d.service.sessions.sandbox.read_now
+        d.service.sessions.sandbox.read_now = lambda *a: reads.append(a[0]) or read_now(*a)  # type: ignore[method-assign]
         before = _records(d, sid)
-        refused, by_worker = d.service.answer_now(request, stranger), d.service.handle(request, stranger)
-        assert isinstance(refused, p.ErrorResponse) and isinstance(by_worker, p.ErrorResponse)
-        assert (refused.code, refused.message) == (by_worker.code, by_worker.message)
-        assert _records(d, sid) == before
+        assert d.service.answer_now(request, stranger) is None
+        refused = d.service.handle(request, stranger)
+        assert isinstance(refused, p.ErrorResponse) and refused.code == "unauthorized", refused
+        assert (reads, _records(d, sid)) == ([], before)
+        assert d.service.answer_now(request, Peer("y" * 40, operator=True)) is not None  # an operator's is
+        assert reads == [sid]
         d.ask(p.CloseSessionRequest, session_id=sid)
         assert d.service.answer_now(request, LOCAL_PEER) is None
+
+
+def test_a_failure_before_the_answer_leaves_the_call_to_a_worker_with_nothing_done() -> None:
+    with daemon() as d:
+        sid = _prepare(d)
+        before = _records(d, sid)
+        request = p.CallRequest(request_id="r", session_id=sid, tool="read_file", args={"path": "a.txt"})
+
+        def broken(*args: Any) -> None:
+            raise OSError(24, "Too many open files")
+
+        real = d.service.sessions.sandbox.read_now
+        d.service.sessions.sandbox.read_now = broken  # type: ignore[method-assign]
+        assert d.service.answer_now(request, LOCAL_PEER) is None
+        assert _records(d, sid) == before
+        assert not d.service.sessions.lock(sid).locked() and d.db.lock.acquire(blocking=False)
+        d.db.lock.release()
+        d.service.sessions.sandbox.read_now = real  # type: ignore[method-assign]
+        served = d.service.handle(request, LOCAL_PEER)
+        assert isinstance(served, p.CallResponse) and served.result.stdout == "alpha\n"
+
+
+def test_the_time_of_a_call_answered_at_once_includes_its_read() -> None:
+    with daemon() as d:
+        sid = _prepare(d)
+        real = d.service.sessions.sandbox.read_now
+
+        def slow(*args: Any) -> Any:
+            time.sleep(0.05)
+            return real(*args)
+
+        d.service.sessions.sandbox.read_now = slow  # type: ignore[method-assign]
+        reply = d.service.answer_now(
+            p.CallRequest(request_id="r", session_id=sid, tool="read_file", args={"path": "a.txt"}), LOCAL_PEER)
+        assert isinstance(reply, p.CallResponse) and reply.result.duration_ms >= 50
+        recorded = d.db.rows("SELECT result FROM calls WHERE session_id = ? AND call_id = ?",
+                             [sid, reply.result.call_id])
+        assert json.loads(recorded[0]["result"])["duration_ms"] >= 50
+
+
+def test_what_a_request_waiting_for_a_worker_holds_back() -> None:
+    """A request of a session holds back that session's reads; one that names a session only through a
+    revocation or a call (a commit restores the workspace) holds back every session's; the rest none."""
+    from sandboxd.server import _ANY_SESSION, _queue_key
+
+    assert _queue_key(p.CallRequest(request_id="r", session_id="s-1", tool="shell", args={})) == "s-1"
+    commit = p.CommitRevocationRequest(request_id="r", revocation_id="v", tokens=p.TokenCounts(),
+                                       transitions_replayed=0, final_step=0)
+    for request in (commit,
+                    p.BeginRevocationRequest(request_id="r", revocation_id="v"),
+                    p.CancelRevocationRequest(request_id="r", revocation_id="v"),
+                    p.ReleaseCallRequest(request_id="r", call_id="c"), p.DropCallRequest(request_id="r", call_id="c")):
+        assert _queue_key(request) == _ANY_SESSION, request
+    for request in (p.HealthRequest(request_id="r"), p.OpenSessionRequest(request_id="r"),
+                    p.ListSessionsRequest(request_id="r")):
+        assert _queue_key(request) is None, request

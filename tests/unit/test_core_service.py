@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -355,3 +355,16 @@ def test_only_an_operator_may_move_a_session_to_another_branch(request_type: typ
         reply = d.send(request_type, owner, session_id=sid, checkpoint="cp-1")
         assert isinstance(reply, p.ErrorResponse) and reply.code == "unauthorized"
         assert len(d.graph(sid).artifacts) == 7
+
+
+def test_listing_every_session_names_each_by_its_own_state() -> None:
+    """`session list --all`: a session being opened, being closed (by its idle timeout, say), failed or lost
+    with its node is listed as what it is, not as closed; without --all only the open ones are."""
+    states = get_args(p.SessionState)
+    with daemon() as d:
+        sids = {state: d.open() for state in states}
+        for state, sid in sids.items():
+            d.db.execute("UPDATE sessions SET state = ? WHERE session_id = ?", [state, sid])
+        listed = {s.session_id: s.state for s in d.ask(p.ListSessionsRequest, include_closed=True).sessions}
+        assert listed == {sid: state for state, sid in sids.items()}
+        assert [s.session_id for s in d.ask(p.ListSessionsRequest).sessions] == [sids["open"]]

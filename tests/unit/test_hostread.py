@@ -233,3 +233,48 @@ def test_a_read_bounded_by_at_most_declines_what_is_larger_and_answers_the_rest_
     assert reader.list_dir(workspace, listing, at_most=4) is None
     assert reader.list_dir(workspace, {"path": "."}, at_most=3) is not None  # small, edge, d
     assert reader.list_dir(workspace, {"path": "."}, at_most=2) is None
+
+
+@root_only
+def test_a_bounded_read_reads_no_more_than_its_bound(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the bound limits is the work on the daemon's socket thread, so it holds for what is read, not only
+    for what fstat said: a file that grew after its fstat, a directory of many entries, are declined having
+    read at most one byte or one entry past the bound."""
+    from sandboxd.sandbox import hostread
+
+    (workspace / "grown").write_bytes(b"g" * 5000)
+    (workspace / "many").mkdir()
+    for i in range(300):
+        (workspace / "many" / f"f{i}").write_text("")
+    reader = HostReader(UID, GID)
+    sizes: list[int] = []
+    real_read, real_fstat = hostread._read_up_to, os.fstat
+    monkeypatch.setattr(hostread, "_read_up_to", lambda fd, size: sizes.append(size) or real_read(fd, size))
+    # fstat as it was before the file grew
+    monkeypatch.setattr(hostread.os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 10, *real_fstat(fd)[7:])))
+    assert reader.read_file(workspace, {"path": "grown", "max_bytes": 1000}, at_most=100) is None
+    assert sizes == [101]
+    monkeypatch.setattr(hostread.os, "fstat", real_fstat)
+    taken: list[int] = []
+    real_scandir = os.scandir
+
+    class Counting:
+        def __init__(self, fd: int) -> None:
+            self.entries = real_scandir(fd)
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.entries.close()
+
+        def __iter__(self) -> Iterator[os.DirEntry[str]]:
+            for entry in self.entries:
+                taken.append(1)
+                yield entry
+
+    monkeypatch.setattr(hostread.os, "scandir", Counting)
+    assert reader.list_dir(workspace, {"path": "many"}, at_most=10) is None
+    assert len(taken) == 11
+    listed = reader.list_dir(workspace, {"path": "many"}, at_most=300)
+    assert listed is not None and listed == reader.list_dir(workspace, {"path": "many"})

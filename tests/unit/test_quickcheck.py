@@ -109,3 +109,8 @@ def test_values_no_comparison_orders_pass_or_fail_a_bound_as_in_jsonschema(kind:
     validator = jsonschema.validators.validator_for(schema)(schema)
     for value in (float("nan"), float("inf"), float("-inf"), 0, 1, 1.0, 2, 0.5, True, -0.0, 10**30):
         assert quick({"n": value}) == validator.is_valid({"n": value}), (schema, value)
+
+
+def test_a_schema_this_check_does_not_know_is_left_to_jsonschema_not_an_error() -> None:
+    for odd in ({"type": ["string", "null"]}, {"type": {"not": "a type"}}, {"type": None}):
+        assert compile_check({"type": "object", "properties": {"x": odd}}) is None
