@@ -170,18 +170,8 @@ class Service:
 
     def _serve(self, request: p.Request, peer: Peer) -> p.Response:
         try:
-            self.authorize(request, peer)
-            # Activity is what the session's user does; an operator's listing (inline requests) is not.
-            session_id = None if isinstance(request, self.INLINE) else getattr(request, "session_id", None)
-            if isinstance(session_id, str):
-                self.sessions.touch(session_id)
-            try:
-                if (for_peer := self.peer_handlers.get(type(request))) is not None:
-                    return for_peer(request, peer)
-                return self.handlers[type(request)](request)
-            finally:
-                if isinstance(session_id, str):
-                    self.sessions.touch(session_id)  # a long call leaves it idle from its end, not its start
+            with self.db.one_flush():  # one wait for the disk, before the reply (failed: an error reply)
+                return self._dispatch(request, peer)
         except SandboxdError as exc:
             log.info("request %s failed: %s", request.request_id, exc, extra=log_ids(request, peer, exc))
             return p.error_response(request.request_id, exc)
@@ -191,6 +181,20 @@ class Service:
         except Exception as exc:
             log.exception("internal error serving %s", type(request).__name__, extra=log_ids(request, peer))
             return p.error_response(request.request_id, exc)
+
+    def _dispatch(self, request: p.Request, peer: Peer) -> p.Response:
+        self.authorize(request, peer)
+        # Activity is what the session's user does; an operator's listing (inline requests) is not.
+        session_id = None if isinstance(request, self.INLINE) else getattr(request, "session_id", None)
+        if isinstance(session_id, str):
+            self.sessions.touch(session_id)
+        try:
+            if (for_peer := self.peer_handlers.get(type(request))) is not None:
+                return for_peer(request, peer)
+            return self.handlers[type(request)](request)
+        finally:
+            if isinstance(session_id, str):
+                self.sessions.touch(session_id)  # a long call leaves it idle from its end, not its start
 
     def authorize(self, request: p.Request, peer: Peer) -> None:
         """The one ownership check (`sandboxd.auth.authorize`) on this daemon's sessions."""

@@ -210,3 +210,42 @@ def test_a_copy_backend_session_lost_with_its_node_is_adopted_from_its_export(tc
         client.call(victim, "read_file", {"path": "after.txt"})  # after the last snapshot: gone with the node
     state.close()
     client.close()
+
+
+def test_a_node_that_joins_gets_a_daemon_on_tcp_that_answers_the_door_only(tcp_fleet: dict[str, Any]) -> None:
+    client, state, door, keys = operator(tcp_fleet), Database(tcp_fleet["url"]), tcp_fleet["door"], tcp_fleet["keys"]
+    for session in client.sessions():  # a clean slate: the sessions below fill every node
+        client.close_session(session.session_id)
+    joined = tcp_fleet["cluster"].add_node(num_cpus=1)
+    deadline = time.monotonic() + 180
+    while joined.node_id not in door.nodes:  # its daemon started, reached over tcp+CURVE, then placed on
+        assert time.monotonic() < deadline, "the door never started a daemon on the node that joined"
+        time.sleep(0.2)
+    ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == joined.node_id)
+    endpoint = door.nodes[joined.node_id]
+    assert endpoint.startswith(f"tcp://{ip}:")
+    assert endpoint not in {at for node, at in door.nodes.items() if node != joined.node_id}
+    sessions = [client.open_session().session_id for _ in range(4)]  # two a node: both live nodes fill
+    placed = {sid: state.value("SELECT node FROM sessions WHERE session_id = ?", [sid]) for sid in sessions}
+    assert list(placed.values()).count(joined.node_id) == 2, placed
+    for sid in sessions:
+        client.call(sid, "write_file", {"path": "where.txt", "content": sid})
+        assert client.call(sid, "read_file", {"path": "where.txt"}).stdout == sid
+    # Its port, like the first nodes', admits the fleet's door key alone: the joined node read the same keys.
+    node_key = read_public_key(keys / "node.key")
+    generate_keys(keys.parent / "late-rogue", "rogue")
+    rogue_public, rogue_secret = read_secret_key(keys.parent / "late-rogue" / "rogue.key_secret")
+    for stranger in (Client(endpoint, timeout_s=3),
+                     Client(endpoint, timeout_s=3, server_public_key=node_key, public_key=rogue_public,
+                            secret_key=rogue_secret)):
+        with pytest.raises(DaemonUnreachable), stranger:
+            stranger.sessions()
+    door_public, door_secret = read_secret_key(keys / "door.key_secret")
+    with Client(endpoint, timeout_s=30, server_public_key=node_key, public_key=door_public,
+                secret_key=door_secret) as as_door:
+        assert {s.session_id for s in as_door.sessions()} == {sid for sid, at in placed.items()
+                                                              if at == joined.node_id}
+    for sid in sessions:
+        client.close_session(sid)
+    state.close()
+    client.close()

@@ -226,3 +226,57 @@ def test_a_purge_copies_the_wal_outside_the_writers_lock_and_leaves_no_deleted_v
         assert secret.encode() not in path.read_bytes(), path
     assert db.rows("SELECT k, v FROM t") == [{"k": 2, "v": "later"}]
     db.close()
+
+
+@settings(max_examples=20, deadline=None)
+@given(plan=st.lists(st.sampled_from(["plain", "lazy", "durable"]), min_size=1, max_size=8))
+def test_a_requests_transactions_wait_for_the_disk_once_at_its_end_and_an_intent_at_its_own(
+        tmp_path_factory: pytest.TempPathFactory, plan: list[str]) -> None:
+    db = Database(tmp_path_factory.mktemp("db") / "state.db", SCHEMA)
+    real, me = db._sync, threading.current_thread()
+    waits: list[int] = []  # this thread's waits for the disk, each as the commit it waited for
+
+    def counted(upto: int) -> None:
+        if threading.current_thread() is me:
+            waits.append(upto)
+        real(upto)
+
+    db._sync = counted  # type: ignore[method-assign]
+    # The flusher's fsync of lazy commits would cover the block's commits at times of its choosing.
+    flusher_wake, db._unsynced = db._unsynced, threading.Event()
+    owed = 0  # the last commit the block's end must wait for
+    with db.one_flush():
+        for k, kind in enumerate(plan):
+            before = len(waits)
+            with db.transaction(durable=kind == "durable", lazy=kind == "lazy"):
+                db.execute("INSERT INTO t VALUES (?, ?)", [k, kind])
+            if kind == "durable":
+                # An intent is on disk when its block ends, and so is every commit before it.
+                assert waits[before:] == [db._commits] and db._synced >= db._commits
+                owed = 0
+            else:
+                assert waits[before:] == []  # no wait of its own
+                owed = db._commits if kind == "plain" else owed
+        inside = len(waits)
+    # The block's end waits once, for its last plain commit after its last intent (a lazy one stays lazy).
+    assert waits[inside:] == ([owed] if owed else [])
+    assert db._synced >= owed
+    db._unsynced = flusher_wake
+    db.close()
+
+
+def test_a_block_whose_flush_fails_raises_and_counts_nothing_durable(db: Database,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing() -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(db, "_fsync_wal", failing)
+    with pytest.raises(OSError), db.one_flush():
+        with db.transaction():
+            db.execute("INSERT INTO t VALUES (1, 'a')")
+        with db.one_flush():  # joined: the outer block waits
+            with db.transaction():
+                db.execute("INSERT INTO t VALUES (2, 'b')")
+    assert db.value("SELECT COUNT(*) FROM t") == 2  # neither commit waited for the disk on its own
+    assert db._synced < db._commits
+    assert getattr(db._local, "deferred", None) is None  # the next block starts afresh
