@@ -103,7 +103,8 @@ class Branches:
         if open_ is not None:
             raise InvalidState(open_.id, "open", "no open branch", f"{open_.kind} {open_.id} of {session_id} is "
                                "still open: commit or abandon it first")
-        with self.db.transaction():
+        # Durable, not at the request's end: a crash must find the branch open once any participant acted.
+        with self.db.transaction(durable=True):
             self.db.insert("branches", BranchRow(branch=branch.id, lineage=session_id, status="open", kind=kind,
                                                  splice=msgspec.json.encode(splice).decode(),
                                                  from_turn=branch.from_turn, created_at=time.time()))
@@ -122,7 +123,7 @@ class Branches:
 
     def commit(self, branch: Branch) -> dict[str, dict[str, Any]]:
         """Commit the branch in every participant, in order; safe to repeat after a crash."""
-        with self.db.transaction():
+        with self.db.transaction(durable=True):  # on disk before a participant commits (see `open`)
             self.db.update("branches", {"branch": branch.id}, status="committing")
         self.reached("committing")
         reports = {}

@@ -226,21 +226,29 @@ class Database:
 
         What a reply acknowledges is on disk before the reply, as before. Against `kill -9` nothing
         changes (a commit's frames are in the kernel when COMMIT returns). Against a host crash, the block's
-        commits reach the disk as a prefix of the WAL, as a crash between them would leave them. A
-        `durable` transaction (an effect's intent, which must be on disk before the effect fires) still
-        waits at its own end, and so covers every commit before it. A revocation's begin and commit were a
-        dozen transactions each, and each waited for its own group fsync: under 16 concurrent
-        revocations that was a quarter of a worker's time."""
+        commits reach the disk as a prefix of the WAL, as a crash between them would leave them. What must
+        be on disk before something outside the database acts on it is `durable` and waits at its own end,
+        covering every commit before it: an effect's intent before the effect fires, a branch's status
+        before its participants act, a closing session's state before its sandbox goes (and events wait
+        for the block's end, `Events.held`). A revocation's begin and commit were a dozen transactions
+        each, each waiting for its own group fsync: under 16 concurrent revocations, 15% of a worker's time."""
         if getattr(self._local, "deferred", None) is not None:
             yield  # joined: the outermost block waits
             return
         self._local.deferred = 0
         try:
             yield
-        finally:
+        except BaseException:
             upto, self._local.deferred = self._local.deferred, None
-            if upto > self._synced:  # not covered already (by an intent's wait, or another thread's)
-                self._sync(upto)
+            try:  # what was committed before the failure reaches the disk all the same
+                if upto > self._synced:
+                    self._sync(upto)
+            except Exception:  # the block's own exception is the one to raise (a broken invariant stays one)
+                log.warning("the state's flush after a failed request failed", exc_info=True)
+            raise
+        upto, self._local.deferred = self._local.deferred, None
+        if upto > self._synced:  # not covered already (by an intent's wait, or another thread's)
+            self._sync(upto)
 
     @contextmanager
     def _whole_transaction(self, durable: bool, session: str | None) -> Iterator[None]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from sandboxd import protocol as p
 
@@ -29,13 +30,32 @@ class Events:
         self._logs: dict[str, collections.deque[p.Event]] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     def listen(self, wake: Callable[[str], None]) -> None:
         """Call `wake(session_id)` after every publish (from the publishing thread)."""
         with self._lock:
             self._listeners.append(wake)
 
-    def publish(self, session_id: str, kind: str, subject: str) -> p.Event:
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Publishes on this thread wait for the block's end: a request's, once its commits are on disk
+        (`Database.one_flush`), so no watcher hears of a state a crash of the host could take back."""
+        if getattr(self._local, "held", None) is not None:
+            yield  # joined: the outermost block publishes
+            return
+        self._local.held = []
+        try:
+            yield
+        finally:
+            held, self._local.held = self._local.held, None
+            for event in held:
+                self.publish(*event)
+
+    def publish(self, session_id: str, kind: str, subject: str) -> None:
+        if (held := getattr(self._local, "held", None)) is not None:
+            held.append((session_id, kind, subject))
+            return
         with self._lock:
             self._seq += 1
             event = p.Event(seq=self._seq, kind=kind, subject=subject)  # type: ignore[arg-type]
@@ -43,7 +63,6 @@ class Events:
             listeners = list(self._listeners)
         for wake in listeners:
             wake(session_id)
-        return event
 
     def since(self, session_id: str, after: int, epoch: str) -> list[p.Event]:
         """The session's events after `after`; all of them when `epoch` is another run's."""

@@ -170,7 +170,7 @@ class Service:
 
     def _serve(self, request: p.Request, peer: Peer) -> p.Response:
         try:
-            with self.db.one_flush():  # one wait for the disk, before the reply (failed: an error reply)
+            with self.events.held(), self.db.one_flush():  # one wait for the disk, before reply and events
                 return self._dispatch(request, peer)
         except SandboxdError as exc:
             log.info("request %s failed: %s", request.request_id, exc, extra=log_ids(request, peer, exc))
@@ -270,7 +270,7 @@ class Service:
         sid = req.session_id
         with self.sessions.lock(sid):
             self.sessions.check_open(sid)
-            self.sessions.update(sid, state="closing")
+            self.sessions.update(sid, state="closing", durable=True)  # on disk before the sandbox goes
             # A branch left open would keep its holds out of reach of every later decision.
             if (branch := self.branches.open_branch(sid)) is not None:
                 self.branches.abandon(branch)

@@ -159,8 +159,8 @@ class Sessions:
     def count_open(self) -> int:
         return int(self.db.value("SELECT COUNT(*) FROM sessions WHERE state = 'open'") or 0)
 
-    def update(self, session_id: str, **fields: Any) -> None:
-        with self.db.transaction():
+    def update(self, session_id: str, durable: bool = False, **fields: Any) -> None:
+        with self.db.transaction(durable=durable):
             self.db.update("sessions", {"session_id": session_id}, **fields)
 
     def lock(self, session_id: str) -> threading.Lock:
