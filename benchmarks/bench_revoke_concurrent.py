@@ -5,7 +5,7 @@ a revocation alone. Each revocation is the whole daemon side as an agent with no
 it (checkpoint, an input carrying a secret, revoke, begin, commit: delete, scrub, purge, leak scan),
 the driver of `benchmarks.bench_load`.
 
-    .venv/bin/python -m benchmarks.bench_revoke_concurrent [--sessions 16] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_revoke_concurrent [--sessions 16] [--rounds 3] [--alone N]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--alone", type=int, default=0, help="revocations alone (default: twice the rounds)")
     args = parser.parse_args()
     with daemon() as proc:
         report = LoadReport()
@@ -36,7 +37,7 @@ def main() -> None:
         alone: list[float] = []
         assert proc.proc is not None
         cpu_before = cpu_seconds(proc.proc.pid)
-        for _ in range(args.rounds * 2):
+        for _ in range(args.alone or args.rounds * 2):
             started = time.perf_counter()
             loads[0].revoke()
             alone.append(time.perf_counter() - started)
