@@ -75,9 +75,8 @@ class _Column:
 
 
 def _text_columns(db: Database) -> dict[str, list[_Column]]:
-    tables = {r["name"] for r in db.rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
     return {table: [_Column(name=c, key=(table, c) in KEY_COLUMNS) for c in columns]
-            for table, columns in CONTENT_COLUMNS.items() if table in tables}
+            for table, columns in CONTENT_COLUMNS.items() if db.columns(table)}
 
 
 Exempt = Callable[[str, str, dict[str, Any]], str]
@@ -95,7 +94,7 @@ SENT_OUT = ("what an external effect sent to the outside world: the far side hol
 
 def _session_rows(db: Database, table: str, session_id: str | None) -> tuple[str, list[str]]:
     """The WHERE clause selecting a session's rows of `table` (every row when it names no session)."""
-    columns = {row["name"] for row in db.rows(f'PRAGMA table_info("{table}")')}
+    columns = db.columns(table)
     if session_id is None:
         return "1", []
     if "session_id" in columns:

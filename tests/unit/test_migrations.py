@@ -102,3 +102,19 @@ def test_a_migration_that_fails_leaves_the_database_at_the_version_before_with_i
     assert "x" not in {r["name"] for r in db.rows("PRAGMA table_info(sessions)")}
     assert db.rows("SELECT session_id, state FROM sessions") == [{"session_id": "s-1", "state": "open"}]
     db.close()
+
+
+def test_a_tables_columns_are_read_once_and_again_after_a_migration(tmp_path: Path) -> None:
+    db = Database(tmp_path / "state.db", [Migration(1, "one", ["CREATE TABLE t (a TEXT)"])])
+    statements: list[str] = []
+    db.conn.set_trace_callback(statements.append)  # the writer's connection: a scrub asks under the writers' lock
+    with db.transaction():
+        assert db.columns("t") == {"a"} and db.columns("t") == {"a"}
+        assert db.columns("later") == frozenset()  # no such table (yet)
+    assert sum("table_info" in s for s in statements) == 2  # t once, and the missing table
+    with db.transaction():
+        db.execute("CREATE TABLE later (b TEXT)")
+    assert db.columns("later") == {"b"}  # a missing table is not remembered as empty
+    db.migrate([Migration(2, "two", ["ALTER TABLE t ADD COLUMN c TEXT"])])
+    assert db.columns("t") == {"a", "c"}
+    db.close()
