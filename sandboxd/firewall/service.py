@@ -712,13 +712,14 @@ class Firewall:
         return None if info is None else info.status
 
     def _supersede(self, parent: str, branch: str, report: ReplayReport) -> None:
-        for record in self._ledger.unreached(parent, branch, ("done",)):
+        unreached = self._ledger.unreached(parent, branch, ("done", "staged", "unknown"))  # one read, in the lock
+        for record in (r for r in unreached if r.state == "done"):
             self._ledger.transition(record.call_id, "orphaned", ("done",), note=f"not reached by {branch}")
             report.orphaned.append(record.call_id)
-        for record in self._ledger.unreached(parent, branch, ("staged",)):
+        for record in (r for r in unreached if r.state == "staged"):
             self._drop(record.call_id, f"not reached by {branch}")
             report.dropped.append(record.call_id)
-        report.unresolved.extend(r.call_id for r in self._ledger.unreached(parent, branch, ("unknown",)))
+        report.unresolved.extend(r.call_id for r in unreached if r.state == "unknown")
         self._ledger.set_branch_status(parent, "superseded")
         self._ledger.set_branch_status(branch, "live")
 

@@ -78,26 +78,25 @@ class ProvenanceStore:
     def add_checkpoint(self, session_id: str, checkpoint: p.CheckpointRecord, branch: str = LIVE) -> bool:
         """Store a checkpoint, remembering how many artifacts existed when it was taken; False when the very same
         position is registered again (an agent resumed from it after a rollback), which keeps the first."""
+        # Three statements under the writers' lock, not five: an agent checkpoints every turn.
         with self.db.transaction():
-            same = self.db.rows("SELECT step, turn, token_offset FROM prov_checkpoints WHERE session_id = ? AND "
-                              "branch = ? AND checkpoint_id = ?", [session_id, branch, checkpoint.checkpoint_id])
-            position = (checkpoint.step, checkpoint.turn, checkpoint.token_offset)
-            cid = checkpoint.checkpoint_id
-            unmoved = self._next_seq(session_id) - 1 == self._checkpoint_seq(session_id, branch, cid)
-            if same and (same[0]["step"], same[0]["turn"], same[0]["token_offset"]) == position and unmoved:
-                return False
+            same = self.db.rows("SELECT step, turn, token_offset, artifact_seq FROM prov_checkpoints WHERE "
+                                "session_id = ? AND branch = ? AND checkpoint_id = ?",
+                                [session_id, branch, checkpoint.checkpoint_id])
+            last_seq = self._next_seq(session_id) - 1
             if same:
+                first = same[0]
+                unmoved = last_seq == int(first["artifact_seq"] or 0)
+                if (first["step"], first["turn"], first["token_offset"]) == \
+                        (checkpoint.step, checkpoint.turn, checkpoint.token_offset) and unmoved:
+                    return False
                 raise InvalidArguments("checkpoint", f"checkpoint {checkpoint.checkpoint_id} already exists",
                                        "$.checkpoint.checkpoint_id")
             row = msgspec.to_builtins(checkpoint)
-            row.update(session_id=session_id, manifest=json.dumps(checkpoint.manifest),
-                       artifact_seq=self._next_seq(session_id) - 1, branch=branch)
+            row.update(session_id=session_id, manifest=json.dumps(checkpoint.manifest), artifact_seq=last_seq,
+                       branch=branch)
             self.db.insert("prov_checkpoints", row)
         return True
-
-    def _checkpoint_seq(self, session_id: str, branch: str, checkpoint_id: str) -> int:
-        return int(self.db.value("SELECT artifact_seq FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND "
-                                 "checkpoint_id = ?", [session_id, branch, checkpoint_id]) or 0)
 
     def checkpoint(self, session_id: str, checkpoint_id: str, branch: str = LIVE) -> p.CheckpointRecord | None:
         rows = self.db.rows("SELECT * FROM prov_checkpoints WHERE session_id = ? AND branch = ? AND checkpoint_id = ?",
