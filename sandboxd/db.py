@@ -237,19 +237,20 @@ class Database:
             yield  # joined: the outermost block waits
             return
         self._local.deferred = 0
+        failed = True
         try:
             yield
-        except BaseException:
+            failed = False
+        finally:
             upto, self._local.deferred = self._local.deferred, None
-            try:  # what was committed before the failure reaches the disk all the same
-                if upto > self._synced:
+            try:  # what was committed reaches the disk, the block failed or not
+                if upto > self._synced:  # not covered already (by an intent's wait, or another thread's)
                     self._sync(upto)
-            except Exception:  # the block's own exception is the one to raise (a broken invariant stays one)
+            except Exception:
+                if not failed:
+                    raise
+                # The block's own exception is the one to raise (a broken invariant stays one).
                 log.warning("the state's flush after a failed request failed", exc_info=True)
-            raise
-        upto, self._local.deferred = self._local.deferred, None
-        if upto > self._synced:  # not covered already (by an intent's wait, or another thread's)
-            self._sync(upto)
 
     @contextmanager
     def _whole_transaction(self, durable: bool, session: str | None) -> Iterator[None]:

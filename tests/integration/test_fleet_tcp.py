@@ -80,6 +80,23 @@ def operator(tcp_fleet: dict[str, Any]) -> Client:
                                  door_keys / "operator.key_secret", timeout_s=120)
 
 
+def answers_the_door_only(endpoint: str, keys: Path, rogue: str) -> set[str]:
+    """A node's port gives no answer at all to no key or a key not in the allowlist (a CURVE refusal is
+    silent); to the fleet's door key it answers as to an operator: the sessions it lists."""
+    node_key = read_public_key(keys / "node.key")
+    generate_keys(keys.parent / rogue, "rogue")
+    rogue_public, rogue_secret = read_secret_key(keys.parent / rogue / "rogue.key_secret")
+    for stranger in (Client(endpoint, timeout_s=3),
+                     Client(endpoint, timeout_s=3, server_public_key=node_key, public_key=rogue_public,
+                            secret_key=rogue_secret)):
+        with pytest.raises(DaemonUnreachable), stranger:
+            stranger.sessions()
+    door_public, door_secret = read_secret_key(keys / "door.key_secret")
+    with Client(endpoint, timeout_s=30, server_public_key=node_key, public_key=door_public,
+                secret_key=door_secret) as as_door:
+        return {s.session_id for s in as_door.sessions()}
+
+
 def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: dict[str, Any],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.util.placement_group import placement_group_table
@@ -127,19 +144,8 @@ def test_nodes_on_tcp_answer_the_door_only_and_forks_hold_their_node(tcp_fleet: 
     # A node's port admits the door's key and nothing else: no key, or a key not in the allowlist, gets no
     # answer at all (a CURVE refusal is silent), so the port is no way into its sandboxes.
     node, endpoint = next(iter(door.nodes.items()))
-    node_key = read_public_key(keys / "node.key")
-    generate_keys(keys.parent / "rogue", "rogue")
-    rogue_public, rogue_secret = read_secret_key(keys.parent / "rogue" / "rogue.key_secret")
-    for stranger in (Client(endpoint, timeout_s=3),
-                     Client(endpoint, timeout_s=3, server_public_key=node_key, public_key=rogue_public,
-                            secret_key=rogue_secret)):
-        with pytest.raises(DaemonUnreachable), stranger:
-            stranger.sessions()
-    door_public, door_secret = read_secret_key(keys / "door.key_secret")
-    with Client(endpoint, timeout_s=30, server_public_key=node_key, public_key=door_public,
-                secret_key=door_secret) as as_door:
-        # The same port, the right key: answered, as an operator (it lists sessions it did not open itself).
-        assert {s.session_id for s in as_door.sessions()} == {sid for sid, at in placed.items() if at == node}
+    # The same port, the right key: answered, as an operator (it lists sessions it did not open itself).
+    assert answers_the_door_only(endpoint, keys, "rogue") == {sid for sid, at in placed.items() if at == node}
 
     # A fork holds a group on its parent's node; with no room there it is refused before it exists.
     parent = next(sid for sid in sessions if placed[sid] == node)
@@ -233,19 +239,8 @@ def test_a_node_that_joins_gets_a_daemon_on_tcp_that_answers_the_door_only(tcp_f
         client.call(sid, "write_file", {"path": "where.txt", "content": sid})
         assert client.call(sid, "read_file", {"path": "where.txt"}).stdout == sid
     # Its port, like the first nodes', admits the fleet's door key alone: the joined node read the same keys.
-    node_key = read_public_key(keys / "node.key")
-    generate_keys(keys.parent / "late-rogue", "rogue")
-    rogue_public, rogue_secret = read_secret_key(keys.parent / "late-rogue" / "rogue.key_secret")
-    for stranger in (Client(endpoint, timeout_s=3),
-                     Client(endpoint, timeout_s=3, server_public_key=node_key, public_key=rogue_public,
-                            secret_key=rogue_secret)):
-        with pytest.raises(DaemonUnreachable), stranger:
-            stranger.sessions()
-    door_public, door_secret = read_secret_key(keys / "door.key_secret")
-    with Client(endpoint, timeout_s=30, server_public_key=node_key, public_key=door_public,
-                secret_key=door_secret) as as_door:
-        assert {s.session_id for s in as_door.sessions()} == {sid for sid, at in placed.items()
-                                                              if at == joined.node_id}
+    assert answers_the_door_only(endpoint, keys, "late-rogue") == {sid for sid, at in placed.items()
+                                                                   if at == joined.node_id}
     for sid in sessions:
         client.close_session(sid)
     state.close()

@@ -280,3 +280,16 @@ def test_a_block_whose_flush_fails_raises_and_counts_nothing_durable(db: Databas
     assert db.value("SELECT COUNT(*) FROM t") == 2  # neither commit waited for the disk on its own
     assert db._synced < db._commits
     assert getattr(db._local, "deferred", None) is None  # the next block starts afresh
+
+
+def test_a_failed_block_whose_flush_fails_too_raises_its_own_exception(db: Database,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing() -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(db, "_fsync_wal", failing)
+    with pytest.raises(AssertionError, match="broken invariant"), db.one_flush():
+        with db.transaction():
+            db.execute("INSERT INTO t VALUES (1, 'a')")
+        raise AssertionError("broken invariant")
+    assert getattr(db._local, "deferred", None) is None
