@@ -14,6 +14,7 @@ from sandboxd.auth import ServerKeys
 from sandboxd.config import DaemonConfig
 from sandboxd.db import Database
 from sandboxd.metrics import MetricsServer, parse_metrics_address
+from sandboxd.revocation.forgotten import Forgotten
 from sandboxd.sandbox.containers import ContainerManager
 from sandboxd.server import Server
 from sandboxd.service import Service
@@ -29,9 +30,41 @@ class JsonFormatter(logging.Formatter):
         for key in ("session_id", "call_id", "request_id", "peer_key", "peer_address"):
             if hasattr(record, key):
                 entry[key] = getattr(record, key)
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
+        if record.exc_info or record.exc_text:
+            entry["exc"] = record.exc_text or self.formatException(record.exc_info)  # type: ignore[arg-type]
         return json.dumps(entry)
+
+
+class ForgetInLog(logging.Filter):
+    """Keeps a session's forgotten values out of the lines logged about it from now on.
+
+    A revocation scrubs the lines written before it; a line written after (its own commit, a call's failure
+    quoting a result) is filtered as it is written, as everything else the daemon writes is. Values too
+    short to be told from prose stay, as in that scrub (`Forgotten.prose_filter`)."""
+
+    def __init__(self, forgotten: Forgotten) -> None:
+        super().__init__()
+        self.forgotten = forgotten
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        session_id = getattr(record, "session_id", None)
+        if not isinstance(session_id, str):
+            return True
+        try:
+            forget = self.forgotten.prose_filter(session_id)
+        except Exception:  # the state is closing: a line that may hold a forgotten value is not written whole
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a line about this session, withheld: its forgotten values could not be read", None, None, None)
+            return True
+        if forget:
+            text = record.getMessage()
+            clean = forget.text(text)
+            if clean != text:
+                record.msg, record.args = clean, None
+            if record.exc_info:
+                record.exc_text = forget.text(logging.Formatter().formatException(record.exc_info))
+                record.exc_info = None
+        return True
 
 
 def setup_logging(config: DaemonConfig, verbose: bool = False) -> None:
@@ -68,6 +101,8 @@ def run(config: DaemonConfig, verbose: bool = False) -> None:
     config.state_path.mkdir(parents=True, exist_ok=True)
     setup_logging(config, verbose)
     service, server = build(config)
+    for handler in logging.getLogger("sandboxd").handlers:
+        handler.addFilter(ForgetInLog(service.forgotten))
     metrics = None
     if config.metrics_address:
         host, port = parse_metrics_address(config.metrics_address, config.metrics_allow_remote)

@@ -99,7 +99,7 @@ class Service:
         self.revocations = Revocations(db, self.provenance, self.branches, self.forgotten,
                                        load_detector(config.detector), self.sessions.check_open, self._raised,
                                        known=self.sessions.known)
-        scanner = LeakScanner(db, salt, config.state_path, store.paths, sandbox.scan_scratch,
+        scanner = LeakScanner(db, salt, config.state_path, store.paths, store.file_trees, sandbox.scan_scratch,
                               context=lambda sid: [a for a in self.provenance.artifacts(sid) if a.token_span])
         self.operator = RevocationOperator(
             db, self.revocations, self.forgotten, self.branches, self.sessions, self.provenance, scanner,

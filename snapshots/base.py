@@ -136,6 +136,11 @@ class SnapshotStore(abc.ABC):
     def paths(self, workspace: str) -> builtins.list[Path]:
         """Every host path holding this workspace's bytes (for a leak scan)."""
 
+    @abc.abstractmethod
+    def file_trees(self, workspace: str) -> builtins.list[Path]:
+        """The directories under `paths` whose entries are the sandbox's own files: the live workspace and
+        each snapshot's (or layer's) copy of it. Every other name under `paths` is one the store gives."""
+
     def disk_bytes(self, workspace: str) -> int:
         """Bytes the workspace and its snapshots take on the host's disk: the blocks allocated to the files
         under `paths` (each inode once; the mount root is a view of the same bytes, so it is not walked)."""

@@ -112,6 +112,13 @@ class CopySnapshotStore(SnapshotStore):
     def paths(self, workspace: str) -> builtins.list[Path]:
         return [self.mount_root(workspace), self._dir(workspace)]
 
+    def file_trees(self, workspace: str) -> builtins.list[Path]:
+        try:
+            copies = [entry for entry in self._dir(workspace).iterdir() if entry.is_dir()]
+        except FileNotFoundError:
+            copies = []
+        return [self._ws(workspace), *copies]
+
     def workspaces(self) -> builtins.list[str]:
         return sorted(p.name for p in self.copies.iterdir() if p.is_dir())
 

@@ -335,6 +335,14 @@ class OverlaySnapshotStore(SnapshotStore):
     def paths(self, workspace: str) -> builtins.list[Path]:
         return [self.mount_root(workspace), self._dir(workspace), self._image(workspace)]
 
+    def file_trees(self, workspace: str) -> builtins.list[Path]:
+        try:
+            layers = [entry for entry in self._dir(workspace).iterdir()
+                      if entry.is_dir() and entry.name not in ("work", "snapshots", "lost+found")]
+        except FileNotFoundError:
+            layers = []
+        return [self._ws(workspace), *layers]
+
     def disk_bytes(self, workspace: str) -> int:
         """The blocks of the session's image, which holds its upper directory and every layer (one stat, however
         many files); without an image, what the layers directory holds."""

@@ -139,7 +139,7 @@ def _cut(text: str, spans: list[tuple[int, int]]) -> str:
     return "".join(kept) + text[position:]
 
 
-def _field_name(key: Any) -> bool:
+def field_name(key: Any) -> bool:
     """A key that names a field of a result structure (`body`, `content_type`): structure, kept as it is,
     or a one-letter target would rename every field. Other keys (content used as a key) are filtered."""
     return isinstance(key, str) and key.isascii() and key.isidentifier() and key == key.lower() and len(key) <= 40
@@ -173,7 +173,7 @@ class ForgetFilter:
         if isinstance(value, (list, tuple)):
             return type(value)(self.value(item) for item in value)
         if isinstance(value, dict):
-            return {key if _field_name(key) else self.value(key): self.value(item) for key, item in value.items()}
+            return {key if field_name(key) else self.value(key): self.value(item) for key, item in value.items()}
         if isinstance(value, msgspec.Struct):
             return msgspec.structs.replace(value, **{
                 name: self.value(getattr(value, name)) for name in value.__struct_fields__})
@@ -186,7 +186,7 @@ class ForgetFilter:
         if isinstance(value, (list, tuple)):
             return any(self.holds_value(item) for item in value)
         if isinstance(value, dict):
-            return any((not _field_name(k) and self.holds_value(k)) or self.holds_value(v) for k, v in value.items())
+            return any((not field_name(k) and self.holds_value(k)) or self.holds_value(v) for k, v in value.items())
         if isinstance(value, msgspec.Struct):
             return any(self.holds_value(getattr(value, name)) for name in value.__struct_fields__)
         return False

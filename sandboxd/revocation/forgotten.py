@@ -18,6 +18,7 @@ from sandboxd import protocol as p
 from sandboxd.db import Database
 from sandboxd.errors import InvalidArguments
 from sandboxd.firewall.handlers import result_text
+from sandboxd.revocation.erasure import MIN_NEEDLE_BYTES
 from sandboxd.revocation.fingerprint import RevokedFingerprint
 from sandboxd.revocation.forgetting import ForgetFilter, fingerprints_for, piece_fingerprints
 
@@ -39,6 +40,7 @@ class Forgotten:
         self.db = db
         self.salt = salt
         self._filters: dict[str, ForgetFilter] = {}
+        self._prose_filters: dict[str, tuple[ForgetFilter, ForgetFilter]] = {}
         self._guard = threading.Lock()
 
     def forget(self, session_id: str, value: str, pieces: list[str] | None = None) -> None:
@@ -59,6 +61,7 @@ class Forgotten:
                 self.db.insert("forgotten", {"session_id": session_id, "fingerprint": msgspec.json.encode(fp).decode()})
         with self._guard:
             self._filters.pop(session_id, None)
+            self._prose_filters.pop(session_id, None)
 
     def filter(self, session_id: str) -> ForgetFilter:
         """The session's forgotten values, decoded once and kept until the next `forget`."""
@@ -72,6 +75,18 @@ class Forgotten:
                 self._filters[session_id] = cached
         return cached
 
+    def prose_filter(self, session_id: str) -> ForgetFilter:
+        """The session's forgotten values that the daemon's own prose (a log line, a report's notes) is filtered
+        for: those that can be told from prose (`erasure.MIN_NEEDLE_BYTES`); decoded once, like `filter`."""
+        forget = self.filter(session_id)
+        with self._guard:
+            cached = self._prose_filters.get(session_id)
+            if cached is None or cached[0] is not forget:
+                cached = forget, ForgetFilter([fp for fp in forget.fingerprints if fp.length >= MIN_NEEDLE_BYTES],
+                                              self.salt)
+                self._prose_filters[session_id] = cached
+        return cached[1]
+
     def sanitize(self, session_id: str, artifact: p.Artifact, rendered: bool) -> str:
         """A recorded input with every forgotten value excised, as a fresh call would get it: the result of a
         tool served in the daemon (`rendered`) was rendered from data, and is filtered as that data."""
@@ -83,3 +98,4 @@ class Forgotten:
         the cached filter goes."""
         with self._guard:
             self._filters.pop(session_id, None)
+            self._prose_filters.pop(session_id, None)

@@ -10,6 +10,9 @@ is a leak; the report lists every hit with its reason and never says a hit is so
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,7 @@ from sandboxd import protocol as p
 from sandboxd.db import Database
 from sandboxd.revocation.erasure import (
     AGENT_WROTE_IT,
+    CONTENT_COLUMNS,
     MIN_NEEDLE_BYTES,
     SENT_OUT,
     SYSTEM_PROMPT,
@@ -27,8 +31,8 @@ from sandboxd.revocation.erasure import (
     distinctive,
     minted,
 )
-from sandboxd.revocation.forgetting import ForgetFilter
-from sandboxd.revocation.leakscan import LeakReport, scan_paths
+from sandboxd.revocation.forgetting import ForgetFilter, field_name
+from sandboxd.revocation.leakscan import Hit, LeakReport, scan_paths
 
 #: artifacts the model writes (as opposed to what it reads)
 AGENT_TYPES = ("model_turn", "plan", "tool_call", "reply", "summary")
@@ -37,6 +41,10 @@ SENT_STATES = ("fired", "released", "done", "orphaned", "unknown")
 #: what under the state directory holds no data: the daemon's own code, its sockets, its salt, and the
 #: outside world's environments (which keep what they were sent, as any far side does)
 NOT_DATA = ("snapshots", "bin", "ctl", "forget.salt", "worlds")
+#: why database bytes that no content says may stay
+STRUCTURE = ("spelled by the daemon's own structure (a table's definition; a field name or number of a record or a "
+             "log line; an id, a tool's name or a state it writes), not by any content: the counterfactual world's "
+             "records hold it too")
 
 
 @dataclass
@@ -65,9 +73,10 @@ class LeakScan:
     def summary(self, forget: ForgetFilter) -> tuple[dict[str, Any], list[str]]:
         """The report's `leak_scan` and its `not_erased` lines. A location may name a file whose name is the
         target: `forget` takes it out of the report too."""
+        # Told apart by their labels before the names are filtered: a label may spell the target (`sandbox:`).
+        environment = [forget.text(w) for w, r in self.found if w.startswith(("sandbox:", "container:")) and r]
         found = [(forget.text(where), reason) for where, reason in self.found]
-        environment = [w for w, r in found if w.startswith(("sandbox:", "container:")) and r]
-        counterfactual = environment + [w for w, r in found if r in (AGENT_WROTE_IT, SYSTEM_PROMPT)]
+        counterfactual = environment + [w for w, r in found if r in (AGENT_WROTE_IT, SYSTEM_PROMPT, STRUCTURE)]
         sent = [w for w, r in found if r == SENT_OUT]
         leaks = [w for w, r in found if not r]
         leak = {"locations_checked": self.locations_checked, "hits": len(leaks), "where": leaks,
@@ -126,12 +135,14 @@ class LeakScanner:
     """Scans one session's state for one revoked target (see the module docstring)."""
 
     def __init__(self, db: Database, salt: bytes, state_dir: Path, store_paths: Callable[[str], list[Path]],
-                 scan_scratch: Callable[[str, list[bytes]], LeakReport],
+                 file_trees: Callable[[str], list[Path]], scan_scratch: Callable[[str, list[bytes]], LeakReport],
                  context: Callable[[str], list[p.Artifact]]) -> None:
         self.db = db
         self.salt = salt
         self.state_dir = state_dir
         self.store_paths = store_paths
+        self.file_trees = file_trees
+        """The directories of the store whose entries the sandbox named (the rest the store named)."""
         self.scan_scratch = scan_scratch
         self.context = context
         """The session's recorded context blocks, whose text the agent's engine holds."""
@@ -154,13 +165,29 @@ class LeakScanner:
             scan.found += [(where, reason) for where, reason in others.found if reason.startswith("another")]
         explained = [reason for where, reason in scan.found if reason and where.startswith("state.db")]
         db_reason = explained[0] if explained and not scan.unexplained else ""
+        structure: dict[str, Spellings] = {}
         for hit in db_hits:
             name = Path(hit.location).relative_to(self.state_dir).as_posix()
-            scan.add(f"{name}@{hit.offset}", db_reason if name.startswith("state.db") else "")
+            store = "database" if name.startswith("state.db") else "log" if name.startswith("sandboxd.log") else ""
+            reason = db_reason if store == "database" else ""
+            if hit.part == "name":  # the state directory's own files, named by the daemon
+                reason = STRUCTURE
+            elif not reason and store:
+                # Read only now, as a target the structure spells is rare: this reads every row, or the log.
+                key = "state.db" if store == "database" else name
+                if key not in structure:
+                    structure[key] = Spellings.of_database(self.db) if store == "database" else \
+                        Spellings.of_log(Path(hit.location))
+                reason = STRUCTURE if structure[key].spell(hit, binary[hit.needle]) else ""
+            scan.add(f"{name}@{hit.offset}", reason)
         scan.locations_checked += len(shared)
         root = str(self.state_dir) + "/"
         files = [path for path in self.store_paths(session_id) if path.is_dir()]
         live = scan_paths(needles, files)
+        trees = [str(tree) + "/" for tree in self.file_trees(session_id)]
+        for hit in [hit for hit in live.hits if hit.part == "name" and not hit.location.startswith(tuple(trees))]:
+            live.hits.remove(hit)  # a name the store gave (`snapshots`, `stack.json`): no file of the sandbox's
+            scan.add(f"store:{hit.location.removeprefix(root)}@{hit.offset}", STRUCTURE)
         scan.extend(live, "sandbox:", "the sandbox's files as the replay left them, snapshot layers kept for "
                     "checkpoints before tau included: the counterfactual world holds them too", root)
         for image in (path for path in self.store_paths(session_id) if path.is_file() and binary):
@@ -191,6 +218,92 @@ class LeakScanner:
             if reason not in reasons:  # every cause is reported, not only the first block's
                 reasons.append(reason)
         return reasons
+
+
+#: a JSON string token (the record is valid JSON, so quotes outside strings do not occur)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_KEY_COLON = re.compile(r"\s*:")
+#: bytes of a spelling compared on each side of a hit: a record split over an overflow page breaks one side
+_CONTEXT = 16
+
+
+def skeleton(text: str) -> list[str]:
+    """The runs of a JSON record's text that carry no content: its syntax, numbers, literals and field names,
+    which the filter reads as structure (`ForgetFilter.holds_record`). Every string value, and a key that is
+    content used as a key, ends a run. Text that is not JSON has none."""
+    if text.lstrip()[:1] not in ("{", "["):
+        return []
+    try:
+        json.loads(text)
+    except ValueError:
+        return []
+    runs, position = [], 0
+    for match in _JSON_STRING.finditer(text):
+        if _KEY_COLON.match(text, match.end()) and field_name(json.loads(match.group())):
+            continue
+        runs.append(text[position:match.start() + 1])
+        position = match.end() - 1
+    runs.append(text[position:])
+    return [run for run in runs if run]
+
+
+class Spellings:
+    """What the daemon's stores spell by their structure alone (see `of_database` and `of_log`). A hit whose
+    bytes are inside one of these spellings is structure: the counterfactual world's stores spell it too."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.spellings = {text.encode("utf-8", "surrogatepass") for text in texts}
+        self._holding: dict[bytes, list[bytes]] = {}
+
+    @classmethod
+    def of_database(cls, db: Database) -> Spellings:
+        """Its schema, every value of a column that holds no content (ids, tool names, states, hashes:
+        `erasure.CONTENT_COLUMNS` names the others), and the skeleton of every JSON record of a content column."""
+        texts: list[str] = []
+        for row in db.rows("SELECT type, name, tbl_name, sql FROM sqlite_master"):
+            texts += [value for value in row.values() if isinstance(value, str)]
+        for table in [row["name"] for row in db.rows("SELECT name FROM sqlite_master WHERE type = 'table'")]:
+            content = CONTENT_COLUMNS.get(table, ())
+            for row in db.rows(f'SELECT * FROM "{table}"'):
+                for column, value in row.items():
+                    if isinstance(value, str):
+                        texts += skeleton(value) if column in content else [value]
+        return cls(texts)
+
+    @classmethod
+    def of_log(cls, path: Path) -> Spellings:
+        """The skeleton of every line of the daemon's log (one JSON record a line): its field names and numbers.
+        Its messages are values, so a message that says the target is no structure."""
+        with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+            return cls([run for line in fh for run in skeleton(line)])
+
+    def spell(self, hit: Hit, needle: bytes) -> bool:
+        """Whether the bytes around `hit` (of `needle`, in a file of the store) are one of the spellings."""
+        if hit.part != "content":
+            return False
+        holding = self._holding.setdefault(needle, [s for s in self.spellings if needle in s])
+        if not holding:
+            return False
+        fd = os.open(hit.location, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            return any(_around(fd, hit.offset, spelling, needle) for spelling in holding)
+        finally:
+            os.close(fd)
+
+
+def _around(fd: int, offset: int, spelling: bytes, needle: bytes) -> bool:
+    """Whether `needle` at `offset` of the file is an occurrence of it inside `spelling`, told by the bytes on
+    either side of it (a record split over an overflow page breaks at most one side)."""
+    index = spelling.find(needle)
+    while index != -1:
+        left = spelling[max(0, index - _CONTEXT):index]
+        right = spelling[index + len(needle):index + len(needle) + _CONTEXT]
+        if offset >= len(left):
+            around = os.pread(fd, len(left) + len(needle) + len(right), offset - len(left))
+            if around[:len(left)] == left or around[len(left) + len(needle):] == right:
+                return True
+        index = spelling.find(needle, index + 1)
+    return False
 
 
 def _grouped(found: list[tuple[str, str]]) -> list[str]:

@@ -239,6 +239,10 @@ class RevocationOperator:
         if self.outside_world is not None:
             not_erased.append(f"the outside world ({self.outside_world} environment) still holds whatever it held "
                               "or was sent: the source of an injection keeps it, as a web page would")
+        # The notes are the daemon's prose around the places it names (already filtered): a revoked value that
+        # a note's wording spells (`checkpoint`) is taken out of it too, as from a log line.
+        prose = self.forgotten.prose_filter(row.session_id)
+        not_erased = [prose.text(note) for note in not_erased]
         splice, tokens = branch.splice, req.tokens if req else p.TokenCounts()
         return p.RevocationReport(
             revocation_id=row.revocation_id, session=row.session_id, source=row.source, tau=row.tau,

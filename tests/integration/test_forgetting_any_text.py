@@ -94,7 +94,8 @@ def _field(key: str) -> bool:
 
 
 #: fields of the daemon's records whose values it mints or enumerates (a random call id, a state): structure
-STRUCTURE = frozenset({"call_id", "tool", "kind", "state", "status", "type", "mode", "content_type", "message_id"})
+STRUCTURE = frozenset({"call_id", "tool", "kind", "state", "status", "type", "mode", "content_type", "message_id",
+                       "raised_by"})
 
 
 def _strings(value: Any) -> list[str]:
@@ -122,14 +123,21 @@ def byte_forms(target: str) -> list[bytes]:
     return [f for f in forms if f]
 
 
+#: where the sandbox's own files are under the state directory (a snapshot layer, the upper layer, the live
+#: workspace); every other name there is one the daemon gives (`layers`, `state.db`, a minted session id)
+SANDBOX_FILES = re.compile(r"snapshots/layers/s-[0-9a-f]+/(snap-[0-9a-f]+|upper|base)/.+"
+                           r"|snapshots/mounts/s-[0-9a-f]+/ws/.+", re.DOTALL)
+
+
 def byte_search(root: Path, needles: list[bytes]) -> set[str]:
-    """Relative paths under `root` whose name or bytes hold a needle (symlinks not followed)."""
+    """Relative paths under `root` whose bytes, or whose name if the sandbox chose it, hold a needle
+    (symlinks not followed)."""
     found = set()
     for base, dirs, files in os.walk(root):
         for name in dirs + files:
             path = Path(base) / name
             rel = path.relative_to(root).as_posix()
-            if any(n in os.fsencode(name) for n in needles):
+            if SANDBOX_FILES.fullmatch(rel) and any(n in os.fsencode(name) for n in needles):
                 found.add(rel)
             if path.is_file() and not path.is_symlink() and any(n in stored_bytes(path) for n in needles):
                 found.add(rel)
@@ -152,6 +160,17 @@ def stored_bytes(path: Path) -> bytes:
     finally:
         os.close(fd)
     return b"\0".join(chunks)
+
+
+def unlabelled(where: str, target: str) -> str:
+    """The path of a leak scan's hit in the sandbox's files (`sandbox:image:<path>@<offset>`), its label
+    spelled as the report spells it: without the value, should the label say it (`sandbox:` revoked)."""
+    place = where.rsplit("@", 1)[0]
+    for label in ("sandbox:image:", "sandbox:"):
+        spelled = label.replace(target, "")
+        if spelled and place.startswith(spelled):
+            return place.removeprefix(spelled).rstrip("/")
+    return place.rstrip("/")
 
 
 def valid_name(target: str) -> bool:
@@ -188,6 +207,13 @@ def revoked_form(target: str, form: str) -> str | None:
 @THROUGH_TOOLS
 @given(target=TARGETS, form=FORMS)
 @example(target="r", form="raw")  # spelled by the system prompt and by the agent: both causes are reported
+@example(target="truncate", form="raw")  # spelled by a field name of every call's record
+@example(target="CREATE TABLE", form="escaped")  # by the database's schema
+@example(target="request_id", form="raw")  # by a field name of every log line
+@example(target="checkpoint", form="raw")  # by the report's own notes ("layers kept for checkpoints")
+@example(target="snapshots", form="raw")  # by a name the snapshot store gives, and a file of the sandbox's
+@example(target="sandbox:", form="raw")  # by the label of the report's places in the sandbox
+@example(target="<INFORMATION>", form="raw")  # flagged by the daemon's detector: pending before it is revoked
 def test_a_revoked_value_comes_back_through_no_tool_record_report_or_file(
         world: tuple[Client, Web, DaemonProcess], target: str, form: str) -> None:
     client, web, daemon = world
@@ -203,6 +229,10 @@ def test_a_revoked_value_comes_back_through_no_tool_record_report_or_file(
         source = next(a for a in client.graph(sid).artifacts
                       if a.type == "observation"
                       and a.meta.get("tool") == "http_get")
+        # A value the daemon's detector flags (`<INFORMATION>`) is pending revocation already: the operator's
+        # own revocation of it replaces that one, as the refusal of a second one says.
+        for pending in client.pending_revocations(sid):
+            client.cancel_revocation(pending.revocation_id, "revoked whole by the test")
         raised = client.revoke(sid, source.artifact_id, revoked_form(target, form))
         report = apply(agent, raised.revocation.revocation_id)
         committed_at = time.time()
@@ -246,14 +276,26 @@ def test_a_revoked_value_comes_back_through_no_tool_record_report_or_file(
             assert report.leak_scan["skipped"], report.leak_scan
         else:
             status = client.revocation_status(raised.revocation.revocation_id)
-            assert not holds(json.dumps(msgspec.to_builtins(status)), target)
+            assert not holds(json.dumps(msgspec.to_builtins(status)), target), [
+                t for t in readings(json.dumps(msgspec.to_builtins(status))) if folded(target) in folded(t)]
             assert not holds((daemon.state_dir / "sandboxd.log").read_text(errors="surrogateescape"), target)
-            found = byte_search(daemon.state_dir, byte_forms(target))
+            # The daemon's own code (`bin/`) spells what it spells in every world.
+            found = {f for f in byte_search(daemon.state_dir, byte_forms(target)) if not f.startswith("bin/")}
             environment = {f for f in found if f.startswith("snapshots/")}
-            # Outside the sandbox's own files, nothing; inside, exactly what the leak scan reported.
-            assert found == environment, found - environment
-            reported = {where.split(":", 1)[1].removeprefix("image:").rsplit("@", 1)[0].rstrip("/")
-                        for where in report.leak_scan["environment_where"] if where.startswith("sandbox:")}
+            # The database and the log (whose records say nothing of it, as read above) spell it only where the
+            # report says why it stays: a field name or a table's definition (`truncate` in `stdout_truncated`),
+            # what the agent wrote before it read the page, another session's own record. The report names
+            # a place with the value taken out of its name too (`state.db` revoked: `.db`... `:calls.args`).
+            stores = {f for f in found if f.startswith(("state.db", "sandboxd.log"))}
+            kept = report.leak_scan["counterfactual_where"] + report.leak_scan["sent_where"]
+            for store in {f.split("-", 1)[0] for f in stores}:
+                named = store.replace(target, "")
+                assert any(where.startswith(named) for where in kept) or \
+                    (store == "state.db" and report.leak_scan["other_sessions"]), (store, report.not_erased)
+            # Outside the sandbox's own files and those stores, nothing; inside, exactly what the scan reported.
+            assert found == environment | stores, found - environment - stores
+            reported = {unlabelled(where, target) for where in report.leak_scan["environment_where"]
+                        if not where.startswith("container:".replace(target, "") or "container:")}
             mine = {f.replace(target, "").rstrip("/") for f in environment if sid in f}
             assert {r.replace(target, "").rstrip("/") for r in reported} == mine, (reported, environment)
     finally:

@@ -79,3 +79,19 @@ def test_the_ledger_row_of_a_dropped_email_is_a_hit_and_is_named(tmp_path: Path)
     assert leaked.startswith("state.db:ledger_calls.args[")
     for where, reason in scan.found:
         assert explained(where, reason, not_erased), (where, not_erased)
+
+
+@settings(max_examples=50, deadline=None)
+@given(found=hits, label=st.sampled_from(["sandbox:", "sandbox:image:", "container:", "state.db", "snapshots/"]))
+def test_a_target_spelled_by_a_places_label_leaves_every_hit_counted_as_what_it_is(
+        found: list[tuple[str, str]], label: str) -> None:
+    scan = LeakScan()
+    for where, reason in found:
+        scan.add(where, reason)
+    leak, _ = scan.summary(target_filter(label, [], SALT))
+    # The names are filtered (the label is the target), the counts are those of the unfiltered places.
+    outside = [w for w, r in found if w.startswith(("sandbox:", "container:")) and r]
+    assert leak["environment_hits"] == len(outside)
+    assert leak["hits"] == sum(1 for _, r in found if not r)
+    assert not any(label in where for key in ("where", "environment_where", "counterfactual_where", "sent_where")
+                   for where in leak[key])

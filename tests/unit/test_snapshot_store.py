@@ -206,3 +206,33 @@ def test_overlay_quota_stops_a_session_filling_the_disk(tmp_path: Path) -> None:
         store.release()
     assert not (tmp_path / "o" / "layers" / ".w1.img").exists()
     assert not [p for p in _mountpoints() if p.startswith(str(tmp_path))]
+
+
+def test_the_sandboxs_files_are_in_its_file_trees_and_every_other_name_is_the_stores(store: SnapshotStore) -> None:
+    ws = store.create("w1", OWNER) / "ws"
+    # Named as the store names its own entries: still the sandbox's files, found in a file tree.
+    names = {"snapshots", "stack.json", "upper", "work", "base", "s1", "s1.json", "w1"}
+    for name in names:
+        (ws / name).write_text("mine")
+    store.take("w1", "s1")
+    (ws / "later").write_text("mine")
+    store.take("w1", "s2")
+    trees = store.file_trees("w1")
+    inside = set()
+    for root in store.paths("w1"):
+        for base, dirs, files in os.walk(root):
+            for name in dirs + files:
+                path = Path(base) / name
+                tree = next((t for t in trees if path.is_relative_to(t) and path != t), None)
+                if tree is not None:
+                    inside.add(path.relative_to(tree).as_posix())
+    # Every tree holds only the sandbox's files (the overlay's whiteout-free layers hold a subset of them).
+    assert inside and inside <= names | {"later"}
+    assert "later" in inside and names <= inside
+    # No file of the sandbox's lies outside a tree: every file there holds the store's own bytes.
+    for root in store.paths("w1"):
+        for base, _, files in os.walk(root):
+            for name in files:
+                path = Path(base) / name
+                if not any(path.is_relative_to(t) for t in trees) and path.is_file():
+                    assert path.read_bytes() != b"mine", path
