@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +125,12 @@ def test_a_call_left_in_flight_by_a_daemon_that_died_is_unknown(make_firewall: C
     worker.start()
     worker.join(10)
     assert started.is_set()
+    # The server ends a closed connection's backend, and releases its advisory locks, after the close
+    # returns: until then daemon one is, to the server, still sending.
+    deadline = time.monotonic() + 10
+    while two.ledger._db.value("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
     with pytest.raises(CallUnknown):
         two.call("s", "lin", "notify", {"text": "y"}, call_id="c-y")
     assert adapter_one.fired == [] and adapter_two.fired == []
