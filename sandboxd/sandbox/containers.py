@@ -12,6 +12,7 @@ Under runsc (gVisor) the same options hold, and the runtime must be registered w
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import threading
@@ -32,7 +33,10 @@ from sandboxd.revocation.leakscan import LeakReport, scan_inside, scan_paths
 from sandboxd.sandbox.channel import ExecutorChannel
 from sandboxd.sandbox.hostread import HostReader
 from sandboxd.sandbox.runsc import RUNSC_ARGS, runsc_seccomp_profile
+from sandboxd.sandbox.usage import process_usage
 from snapshots.base import write_atomic
+
+log = logging.getLogger("sandboxd")
 
 SOCKET_IN_CONTAINER = "/run/sandboxd/exec.sock"
 LABEL_SESSION = "sandboxd.session"
@@ -156,6 +160,15 @@ class ContainerManager:
     # The host cgroup stays as a ceiling. Memory is the host cgroup's for both runtimes: under gVisor
     # its OOM kill takes the whole sandbox, which `oom_killed` reports and `ensure_running` restarts.
     _RUNSC_HOST_TASKS_PER_PID = 32
+    # gVisor keeps host threads of the processes a sandbox ran, and their number grows from one burst to the
+    # next: 110 processes at once left 880 host tasks, then 1,280, 1,620, 2,150 after four such calls; a fork
+    # bomb that runs into the limit adds 350 to 400 each time, and the fourth bomb in a row took the whole
+    # sandbox down with the OOM killer, failing that call (more would run into the host task limit above).
+    # A sandbox that holds 12 host tasks per process it may run (1,536 by default; a fresh one holds about
+    # 70) is started again after the call that wore it, before its next one, which loses only what any
+    # restart loses: its processes (reaped after every call anyway) and its scratch tmpfs. Not by memory:
+    # the cgroup's figure counts the page cache of the workspace's files, which the kernel reclaims.
+    _RUNSC_WORN_TASKS_PER_PID = 12
 
     def _host_pids_limit(self) -> int:
         pids = self.config.sandbox.pids
@@ -219,7 +232,31 @@ class ContainerManager:
         if read is not None and channel.alive() and (workspace := self._workspace(session_id)) is not None:
             if (reply := read(workspace, payload)) is not None:
                 return reply
-        return channel.request(payload, timeout, on_output)
+        reply = channel.request(payload, timeout, on_output)
+        if self.runtime == "runsc" and op == "run" and (tasks := self._worn(session_id)) is not None:
+            self._restart_worn(session_id, tasks)
+        return reply
+
+    def _worn(self, session_id: str) -> int | None:
+        """The host tasks of the session's gVisor sandbox, between calls, if they are more than it should hold."""
+        pid = self._init_pid(session_id)
+        tasks = int((process_usage(pid) if pid is not None else {}).get("pids", 0))
+        return tasks if tasks > self.config.sandbox.pids * self._RUNSC_WORN_TASKS_PER_PID else None
+
+    def _restart_worn(self, session_id: str, tasks: int) -> None:
+        """Start a worn sandbox again; if that fails, its next call finds it down and restarts it as usual."""
+        log.info("restarting the gVisor sandbox of %s: it holds %d host tasks", session_id, tasks,
+                 extra={"session_id": session_id})
+        try:
+            container = self.client.containers.get(self.name(session_id))
+            self.channel(session_id).close()
+            container.stop(timeout=0)
+            self._clear_socket(session_id)
+            container.start()
+            self._wait_ready(session_id, container)
+        except (docker.errors.APIError, SandboxUnavailable) as exc:
+            log.warning("the worn sandbox of %s did not restart: %s", session_id, exc,
+                        extra={"session_id": session_id})
 
     def read_now(self, session_id: str, payload: dict[str, Any], at_most: int) -> dict[str, Any] | None:
         """The host's answer to a read as `request` would give it, or None: only where nothing can wait (no
@@ -338,9 +375,14 @@ class ContainerManager:
         so the init process is remembered with its start time: the same pid with the same start time is
         the same process, and a sandbox that stopped or was started again has another (a pid reused by
         some other process has another start time)."""
+        pid = self._init_pid(session_id)
+        return f"/proc/{pid}/root" if pid is not None else None
+
+    def _init_pid(self, session_id: str) -> int | None:
+        """The host pid of the running sandbox's init process (see `_root`), or None."""
         known = self._inits.get(session_id)
         if known is not None and _start_time(known[0]) == known[1]:
-            return f"/proc/{known[0]}/root"
+            return known[0]
         container = self.container(session_id)
         pid = int(container.attrs["State"]["Pid"]) if container is not None and container.status == "running" else 0
         started = _start_time(pid) if pid else None
@@ -348,7 +390,7 @@ class ContainerManager:
             self._inits.pop(session_id, None)
             return None
         self._inits[session_id] = (pid, started)
-        return f"/proc/{pid}/root"
+        return pid
 
     def sessions(self) -> list[str]:
         """Session ids that have a container of this instance, running or not."""

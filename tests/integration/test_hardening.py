@@ -320,10 +320,7 @@ def test_escape_suite_every_attempt_fails(sbx: Client, sid: str) -> None:
 # Resource exhaustion --------------------------------------------------------------------------
 
 
-def test_a_setsid_fork_bomb_does_not_starve_the_next_call(sbx: Client, sid: str) -> None:
-    # Children that leave the call's process group are out of reach of a killpg; before the executor
-    # reaped them after every call, they kept the pids limit exhausted and the sandbox could not fork.
-    code = """
+SETSID_BOMB = """
 import os, time
 n = 0
 try:
@@ -336,10 +333,43 @@ try:
 except OSError as e:
     print('blocked', n, e.errno)
 """
-    out = py(sbx, sid, code, timeout_s=30).stdout.split()
+
+
+def test_a_setsid_fork_bomb_does_not_starve_the_next_call(sbx: Client, sid: str) -> None:
+    # Children that leave the call's process group are out of reach of a killpg; before the executor
+    # reaped them after every call, they kept the pids limit exhausted and the sandbox could not fork.
+    out = py(sbx, sid, SETSID_BOMB, timeout_s=30).stdout.split()
     assert out[0] == "blocked" and 0 < int(out[1]) < 128, out
     assert_alive(sbx, sid)
     assert not any("python3" in p and "executor" not in p for p in processes(sbx, sid))
+
+
+def restarts_of_worn(daemon: DaemonProcess, session: str) -> int:
+    log = (daemon.state_dir / "sandboxd.log").read_text()
+    return log.count(f"restarting the gVisor sandbox of {session}: it holds")
+
+
+def test_fork_bombs_one_after_another_each_only_fail_themselves(hardened: DaemonProcess, sbx: Client,
+                                                                 sid: str) -> None:
+    # gVisor keeps the host threads each bomb made it start: the fourth in a row used to take the whole
+    # sandbox down with the OOM killer, failing that call. A sandbox worn so far is started again between calls.
+    sh(sbx, sid, "echo kept > /workspace/kept")
+    for _ in range(5):
+        out = py(sbx, sid, SETSID_BOMB, timeout_s=30).stdout.split()
+        assert out[0] == "blocked" and 0 < int(out[1]) < 128, out
+    assert sh(sbx, sid, "cat /workspace/kept").stdout == "kept\n"
+    assert_alive(sbx, sid)
+    assert restarts_of_worn(hardened, sid) >= (1 if "runsc" in hardened.extra_args else 0)
+
+
+def test_many_processes_at_once_wear_nothing_out(hardened: DaemonProcess, sbx: Client, sid: str) -> None:
+    # As many processes as the sandbox may run, at once, is ordinary work: no restart, which would lose the
+    # scratch tmpfs. (gVisor's host tasks grow with each such burst: several in a row do restart it.)
+    sh(sbx, sid, "echo kept > /tmp/kept")
+    result = sh(sbx, sid, "for i in $(seq 110); do sleep 0.5 & done; wait; echo done", timeout_s=60)
+    assert result.stdout == "done\n", result
+    assert sh(sbx, sid, "cat /tmp/kept").stdout == "kept\n"
+    assert restarts_of_worn(hardened, sid) == 0
 
 
 def test_memory_hogs_are_stopped_wherever_they_run(sbx: Client, sid: str) -> None:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandboxd.firewall.approvals import PREVIEW_CHARS, digest, preview, unknown_advice
-from sandboxd.sandbox.usage import container_usage
+from sandboxd.sandbox.usage import container_usage, process_usage
 from sandboxd.streams import Streams
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
@@ -84,3 +84,22 @@ def test_usage_from_cgroup_v1_and_v2_layouts(tmp_path: Path) -> None:
     assert container_usage("abc", tmp_path / "v2") == {"memory_bytes": 4096, "cpu_s": 1.5, "pids": 2}
     assert container_usage("missing", v1) == {} and container_usage("../etc", v1) == {}
     assert container_usage(None, v1) == {}
+
+
+def test_usage_of_a_process_is_its_containers(tmp_path: Path) -> None:
+    cid = "0123456789abcdef" * 4
+    (tmp_path / "cg" / "pids" / "docker" / cid).mkdir(parents=True)
+    (tmp_path / "cg" / "pids" / "docker" / cid / "pids.current").write_text("1536\n")
+    for pid, cgroup in ((7, f"12:pids:/docker/{cid}\n11:memory:/docker/{cid}\n"),  # v1, the cgroupfs driver
+                        (8, f"0::/system.slice/docker-{cid}.scope\n"),  # v2, the systemd driver
+                        (9, "0::/user.slice/session-1.scope\n")):  # a host process
+        (tmp_path / "proc" / str(pid)).mkdir(parents=True)
+        (tmp_path / "proc" / str(pid) / "cgroup").write_text(cgroup)
+    assert process_usage(7, tmp_path / "cg", tmp_path / "proc") == {"pids": 1536}
+    v2 = tmp_path / "cg" / "system.slice" / f"docker-{cid}.scope"
+    v2.mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("pids\n")
+    (v2 / "pids.current").write_text("70\n")
+    assert process_usage(8, tmp_path / "cg", tmp_path / "proc") == {"pids": 70}
+    assert process_usage(9, tmp_path / "cg", tmp_path / "proc") == {}
+    assert process_usage(10, tmp_path / "cg", tmp_path / "proc") == {}  # gone
