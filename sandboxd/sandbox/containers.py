@@ -12,7 +12,6 @@ Under runsc (gVisor) the same options hold, and the runtime must be registered w
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import threading
@@ -24,6 +23,7 @@ from typing import Any
 
 import docker.errors
 import msgspec
+import requests
 from docker.types import Mount, Ulimit
 
 import docker
@@ -32,11 +32,9 @@ from sandboxd.errors import SandboxUnavailable
 from sandboxd.revocation.leakscan import LeakReport, scan_inside, scan_paths
 from sandboxd.sandbox.channel import ExecutorChannel
 from sandboxd.sandbox.hostread import HostReader
-from sandboxd.sandbox.runsc import RUNSC_ARGS, runsc_seccomp_profile
-from sandboxd.sandbox.usage import process_usage
+from sandboxd.sandbox.runsc import HOST_TASKS_PER_PID, RUNSC_ARGS, halt, runsc_seccomp_profile
+from sandboxd.sandbox.usage import start_time
 from snapshots.base import write_atomic
-
-log = logging.getLogger("sandboxd")
 
 SOCKET_IN_CONTAINER = "/run/sandboxd/exec.sock"
 LABEL_SESSION = "sandboxd.session"
@@ -114,6 +112,8 @@ class ContainerManager:
             Mount(target="/run/sandboxd", source=str(ctl), type="bind"),
             Mount(target="/opt/sandboxd", source=str(self.bin_dir), type="bind", read_only=True),
         ]
+        # runc enforces the engine's default seccomp profile; runsc is given it (see runsc_seccomp_profile)
+        seccomp = [f"seccomp={runsc_seccomp_profile()}"] if self.runtime == "runsc" else []
         try:
             container = self.client.containers.run(
                 image,
@@ -124,11 +124,11 @@ class ContainerManager:
                 user=limits.user,
                 network_mode="bridge" if limits.network else "none",
                 cap_drop=["ALL"],
-                security_opt=self._security_options(),
+                security_opt=["no-new-privileges", *seccomp],
                 read_only=True,
                 tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"},
                 mounts=mounts,
-                pids_limit=self._host_pids_limit(),
+                pids_limit=limits.pids * (HOST_TASKS_PER_PID if self.runtime == "runsc" else 1),
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(limits.cpus * 1e9),
@@ -152,28 +152,6 @@ class ContainerManager:
         # executor can neither see through the file proxy nor bind over.
         (self.ctl_root / session_id / "exec.sock").unlink(missing_ok=True)
 
-    # Limits under gVisor. The sandbox is one host process tree (gVisor's kernel and, on its ptrace
-    # platform, a stub process per address space with a thread per tracer: a 128-process shell fork
-    # bomb peaked at 2,420 host tasks). The host pids cgroup counts those, and gVisor's kernel dies when
-    # it cannot make a thread; so the pids limit is enforced inside, as RLIMIT_NPROC, which gVisor counts
-    # per sandbox (under runc it would count the uid's processes across every container and the host).
-    # The host cgroup stays as a ceiling. Memory is the host cgroup's for both runtimes: under gVisor
-    # its OOM kill takes the whole sandbox, which `oom_killed` reports and `ensure_running` restarts.
-    _RUNSC_HOST_TASKS_PER_PID = 32
-    # gVisor keeps host threads of the processes a sandbox ran, and their number grows from one burst to the
-    # next: 110 processes at once left 880 host tasks, then 1,280, 1,620, 2,150 after four such calls; a fork
-    # bomb that runs into the limit adds 350 to 400 each time, and the fourth bomb in a row took the whole
-    # sandbox down with the OOM killer, failing that call (more would run into the host task limit above).
-    # A sandbox that holds 12 host tasks per process it may run (1,536 by default; a fresh one holds about
-    # 70) is started again after the call that wore it, before its next one, which loses only what any
-    # restart loses: its processes (reaped after every call anyway) and its scratch tmpfs. Not by memory:
-    # the cgroup's figure counts the page cache of the workspace's files, which the kernel reclaims.
-    _RUNSC_WORN_TASKS_PER_PID = 12
-
-    def _host_pids_limit(self) -> int:
-        pids = self.config.sandbox.pids
-        return pids * self._RUNSC_HOST_TASKS_PER_PID if self.runtime == "runsc" else pids
-
     def _ulimits(self) -> list[Ulimit]:
         limits = self.config.sandbox
         ulimits = [Ulimit(name="nofile", soft=limits.nofile, hard=limits.nofile)]
@@ -192,11 +170,6 @@ class ContainerManager:
             time.sleep(0.05)  # the engine marks the container exited a moment after its sandbox died
             container.reload()
         return bool(container.attrs.get("State", {}).get("OOMKilled"))
-
-    def _security_options(self) -> list[str]:
-        if self.runtime == "runsc":
-            return ["no-new-privileges", f"seccomp={runsc_seccomp_profile()}"]
-        return ["no-new-privileges"]  # and the engine's default seccomp profile
 
     def _wait_ready(self, session_id: str, container: Any) -> None:
         """Wait for the executor's first answer; a container that exits meanwhile fails fast."""
@@ -232,31 +205,27 @@ class ContainerManager:
         if read is not None and channel.alive() and (workspace := self._workspace(session_id)) is not None:
             if (reply := read(workspace, payload)) is not None:
                 return reply
-        reply = channel.request(payload, timeout, on_output)
-        if self.runtime == "runsc" and op == "run" and (tasks := self._worn(session_id)) is not None:
-            self._restart_worn(session_id, tasks)
-        return reply
+        return channel.request(payload, timeout, on_output)
 
-    def _worn(self, session_id: str) -> int | None:
-        """The host tasks of the session's gVisor sandbox, between calls, if they are more than it should hold."""
-        pid = self._init_pid(session_id)
-        tasks = int((process_usage(pid) if pid is not None else {}).get("pids", 0))
-        return tasks if tasks > self.config.sandbox.pids * self._RUNSC_WORN_TASKS_PER_PID else None
+    def _restart(self, session_id: str, container: Any) -> None:
+        """Stop a running sandbox at once and start it again (the workspace is a bind mount: it stays)."""
+        self.channel(session_id).close()
+        self._halt(session_id, container)
+        self._clear_socket(session_id)
+        container.start()
+        self._wait_ready(session_id, container)
 
-    def _restart_worn(self, session_id: str, tasks: int) -> None:
-        """Start a worn sandbox again; if that fails, its next call finds it down and restarts it as usual."""
-        log.info("restarting the gVisor sandbox of %s: it holds %d host tasks", session_id, tasks,
-                 extra={"session_id": session_id})
-        try:
-            container = self.client.containers.get(self.name(session_id))
-            self.channel(session_id).close()
-            container.stop(timeout=0)
-            self._clear_socket(session_id)
-            container.start()
-            self._wait_ready(session_id, container)
-        except (docker.errors.APIError, SandboxUnavailable) as exc:
-            log.warning("the worn sandbox of %s did not restart: %s", session_id, exc,
-                        extra={"session_id": session_id})
+    def _halt(self, session_id: str, container: Any) -> None:
+        """Stop a running sandbox now: its processes end (see `sandboxd.sandbox.runsc.halt` for gVisor's)."""
+        if self.runtime == "runsc" and (pid := self._init_pid(session_id)) is not None:
+            halt(pid)
+            try:
+                # Not the engine's stop: it would ask runsc to kill a sandbox that is gone, which took 23 s.
+                container.wait(timeout=30)
+                return
+            except requests.RequestException:
+                pass
+        container.stop(timeout=0)
 
     def read_now(self, session_id: str, payload: dict[str, Any], at_most: int) -> dict[str, Any] | None:
         """The host's answer to a read as `request` would give it, or None: only where nothing can wait (no
@@ -306,11 +275,7 @@ class ContainerManager:
             # Running but deaf: the executor serves one connection at a time and is still busy with a
             # call whose daemon was killed (it would hold the session until that call's timeout).
             # A restart kills the call and everything it started; the workspace is a bind mount.
-            self.channel(session_id).close()
-            container.stop(timeout=0)
-            self._clear_socket(session_id)
-            container.start()
-            self._wait_ready(session_id, container)
+            self._restart(session_id, container)
         return True
 
     def _answers(self, session_id: str) -> bool:
@@ -327,10 +292,14 @@ class ContainerManager:
             self._workspaces.pop(session_id, None)
         if chan is not None:
             chan.close()
-        try:
-            self.client.containers.get(self.name(session_id)).remove(force=True, v=True)
-        except docker.errors.NotFound:
-            pass
+        container = self.container(session_id)
+        if container is not None:
+            if container.status == "running":
+                self._halt(session_id, container)
+            try:
+                container.remove(force=True, v=True)
+            except docker.errors.NotFound:
+                pass
         shutil.rmtree(self.ctl_root / session_id, ignore_errors=True)
 
     def stop(self, session_id: str) -> None:
@@ -341,7 +310,7 @@ class ContainerManager:
             chan.close()
         container = self.container(session_id)
         if container is not None and container.status == "running":
-            container.stop(timeout=0)
+            self._halt(session_id, container)
 
     def container(self, session_id: str) -> Any:
         """The session's Docker container, or None."""
@@ -381,11 +350,11 @@ class ContainerManager:
     def _init_pid(self, session_id: str) -> int | None:
         """The host pid of the running sandbox's init process (see `_root`), or None."""
         known = self._inits.get(session_id)
-        if known is not None and _start_time(known[0]) == known[1]:
+        if known is not None and start_time(known[0]) == known[1]:
             return known[0]
         container = self.container(session_id)
         pid = int(container.attrs["State"]["Pid"]) if container is not None and container.status == "running" else 0
-        started = _start_time(pid) if pid else None
+        started = start_time(pid) if pid else None
         if started is None:
             self._inits.pop(session_id, None)
             return None
@@ -408,11 +377,3 @@ class ContainerManager:
             raise
         return True
 
-
-def _start_time(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat), or None when there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]

@@ -8,7 +8,6 @@ engine, a rootless one, the local test sandbox) the usage is simply empty.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -49,18 +48,14 @@ def container_usage(container_id: str | None, root: Path = CGROUP_ROOT) -> dict[
     return usage
 
 
-#: a container's id as it appears in a path of /proc/PID/cgroup (`/docker/<id>`, `docker-<id>.scope`)
-_CONTAINER_ID = re.compile(r"(?<![0-9a-f])([0-9a-f]{64})(?![0-9a-f])")
-
-
-def process_usage(pid: int, root: Path = CGROUP_ROOT, proc: Path = Path("/proc")) -> dict[str, float | int]:
-    """`container_usage` of the container that holds the host process `pid` (a sandbox's init), found from
-    the process's own cgroup, so a caller that knows the pid asks the engine nothing."""
+def start_time(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """When host process `pid` started (clock ticks since boot, its stat's field 22), or None when there is none:
+    with the pid, it names one process, which a pid alone does not once the pid is reused."""
     try:
-        found = _CONTAINER_ID.search((proc / str(pid) / "cgroup").read_text())
+        stat = (proc / str(pid) / "stat").read_text()
     except OSError:
-        return {}
-    return container_usage(found.group(1), root) if found else {}
+        return None
+    return stat.rpartition(")")[2].split()[19]
 
 
 def _cpu_v2(path: Path) -> float | None:

@@ -13,11 +13,14 @@ the probes are read together as the sandbox's security checklist.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -344,32 +347,70 @@ def test_a_setsid_fork_bomb_does_not_starve_the_next_call(sbx: Client, sid: str)
     assert not any("python3" in p and "executor" not in p for p in processes(sbx, sid))
 
 
-def restarts_of_worn(daemon: DaemonProcess, session: str) -> int:
-    log = (daemon.state_dir / "sandboxd.log").read_text()
-    return log.count(f"restarting the gVisor sandbox of {session}: it holds")
-
-
-def test_fork_bombs_one_after_another_each_only_fail_themselves(hardened: DaemonProcess, sbx: Client,
-                                                                 sid: str) -> None:
-    # gVisor keeps the host threads each bomb made it start: the fourth in a row used to take the whole
-    # sandbox down with the OOM killer, failing that call. A sandbox worn so far is started again between calls.
-    sh(sbx, sid, "echo kept > /workspace/kept")
-    for _ in range(5):
-        out = py(sbx, sid, SETSID_BOMB, timeout_s=30).stdout.split()
-        assert out[0] == "blocked" and 0 < int(out[1]) < 128, out
-    assert sh(sbx, sid, "cat /workspace/kept").stdout == "kept\n"
+def test_fork_bombs_one_after_another_are_each_contained(hardened: DaemonProcess, sbx: Client, sid: str) -> None:
+    # gVisor keeps host threads and memory of each bomb (a sandbox holds 140 to 250 MB more after one): the
+    # third in a row can take the whole sandbox down with the OOM killer. That call fails as a memory limit
+    # and the sandbox restarts; what the calls wrote, each before its bomb, is all kept.
+    for i in range(5):
+        write = f"open('/workspace/w{i}', 'wb').write(bytes([{i}]) * 300_000)\n"
+        try:
+            out = py(sbx, sid, write + SETSID_BOMB, timeout_s=30).stdout.split()
+            assert out[0] == "blocked" and 0 < int(out[1]) < 128, out
+        except RemoteError as err:
+            assert "runsc" in hardened.extra_args, err  # under runc the OOM killer takes a tool, not the sandbox
+            assert (err.wire_code, err.details.get("limit"), err.details.get("restarted")) == (
+                "resource_limit", "memory", True), err
+    sums = sh(sbx, sid, "cd /workspace && sha256sum w0 w1 w2 w3 w4").stdout
+    assert sums.split()[::2] == [hashlib.sha256(bytes([i]) * 300_000).hexdigest() for i in range(5)], sums
     assert_alive(sbx, sid)
-    assert restarts_of_worn(hardened, sid) >= (1 if "runsc" in hardened.extra_args else 0)
 
 
-def test_many_processes_at_once_wear_nothing_out(hardened: DaemonProcess, sbx: Client, sid: str) -> None:
-    # As many processes as the sandbox may run, at once, is ordinary work: no restart, which would lose the
-    # scratch tmpfs. (gVisor's host tasks grow with each such burst: several in a row do restart it.)
+def test_many_processes_at_once_are_ordinary_work(sbx: Client, sid: str) -> None:
+    # As many processes as the sandbox may run, at once: no limit is hit and nothing restarts the sandbox,
+    # which would empty its scratch tmpfs.
     sh(sbx, sid, "echo kept > /tmp/kept")
     result = sh(sbx, sid, "for i in $(seq 110); do sleep 0.5 & done; wait; echo done", timeout_s=60)
     assert result.stdout == "done\n", result
     assert sh(sbx, sid, "cat /tmp/kept").stdout == "kept\n"
-    assert restarts_of_worn(hardened, sid) == 0
+
+
+@contextlib.contextmanager
+def busy_host(cores: int) -> Iterator[None]:
+    """Host processes that keep `cores` cores busy while the block runs."""
+    spinners = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(cores)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def test_a_worn_sandbox_closes_on_a_busy_host_without_the_engines_stop(
+        hardened: DaemonProcess, engine: docker.DockerClient, sbx: Client) -> None:
+    # The engine's stop of a gVisor sandbox that two fork bombs wore (2,450 host tasks) took 73 s with
+    # both cores busy, past the engine client's 60 s: closing the session failed, as did the restart of
+    # a sandbox that stopped answering and the daemon's shutdown.
+    session = sbx.open_session().session_id
+    out = py(sbx, session, SETSID_BOMB, timeout_s=30).stdout.split()
+    assert out[0] == "blocked", out
+    try:
+        bomb = sh(sbx, session, "b() { b | b & }; b; sleep 30", timeout_s=3)
+        assert bomb.exit_code != 0, bomb
+    except RemoteError as err:
+        assert err.wire_code == "tool_timeout" or (err.wire_code, err.details.get("limit")) == (
+            "resource_limit", "pids"), err
+    container = engine.containers.list(filters={"label": f"sandboxd.session={session}"})[0]
+    since = time.time() - 1
+    with busy_host(os.cpu_count() or 2):
+        sbx.close_session(session)
+    assert engine.containers.list(all=True, filters={"label": f"sandboxd.session={session}"}) == []
+    # How long the engine's stop takes varies from run to run (8 to 80 s measured), so what is checked is
+    # that it was not asked to: under gVisor the sandbox died without the engine killing it.
+    events = engine.events(since=since, until=time.time() + 1, filters={"container": container.id}, decode=True)
+    actions = [event["Action"] for event in events]
+    assert "die" in actions and "destroy" in actions, actions
+    assert ("kill" in actions) == ("runsc" not in hardened.extra_args), actions
 
 
 def test_memory_hogs_are_stopped_wherever_they_run(sbx: Client, sid: str) -> None:

@@ -1,8 +1,10 @@
 """What an operator judges a call by: its preview is one bounded line, its digest pins the exact payload;
-streamed output reaches a poller in order; cgroup usage is read from either layout."""
+streamed output reaches a poller in order; cgroup usage is read from either layout, a process's start
+time from its stat."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandboxd.firewall.approvals import PREVIEW_CHARS, digest, preview, unknown_advice
-from sandboxd.sandbox.usage import container_usage, process_usage
+from sandboxd.sandbox.usage import container_usage, start_time
 from sandboxd.streams import Streams
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
@@ -86,20 +88,11 @@ def test_usage_from_cgroup_v1_and_v2_layouts(tmp_path: Path) -> None:
     assert container_usage(None, v1) == {}
 
 
-def test_usage_of_a_process_is_its_containers(tmp_path: Path) -> None:
-    cid = "0123456789abcdef" * 4
-    (tmp_path / "cg" / "pids" / "docker" / cid).mkdir(parents=True)
-    (tmp_path / "cg" / "pids" / "docker" / cid / "pids.current").write_text("1536\n")
-    for pid, cgroup in ((7, f"12:pids:/docker/{cid}\n11:memory:/docker/{cid}\n"),  # v1, the cgroupfs driver
-                        (8, f"0::/system.slice/docker-{cid}.scope\n"),  # v2, the systemd driver
-                        (9, "0::/user.slice/session-1.scope\n")):  # a host process
-        (tmp_path / "proc" / str(pid)).mkdir(parents=True)
-        (tmp_path / "proc" / str(pid) / "cgroup").write_text(cgroup)
-    assert process_usage(7, tmp_path / "cg", tmp_path / "proc") == {"pids": 1536}
-    v2 = tmp_path / "cg" / "system.slice" / f"docker-{cid}.scope"
-    v2.mkdir(parents=True)
-    (v2 / "cgroup.controllers").write_text("pids\n")
-    (v2 / "pids.current").write_text("70\n")
-    assert process_usage(8, tmp_path / "cg", tmp_path / "proc") == {"pids": 70}
-    assert process_usage(9, tmp_path / "cg", tmp_path / "proc") == {}
-    assert process_usage(10, tmp_path / "cg", tmp_path / "proc") == {}  # gone
+def test_a_process_start_time_reads_past_a_name_with_parentheses(tmp_path: Path) -> None:
+    # The command name is in parentheses and may hold ") " itself: fields are counted after the last ")".
+    (tmp_path / "7").mkdir()
+    fields = ["S", "1", "7", "7"] + [str(n) for n in range(15)] + ["424242", "0"]
+    (tmp_path / "7" / "stat").write_text("7 (a) b (c) " + " ".join(fields) + "\n")
+    assert start_time(7, tmp_path) == "424242"
+    assert start_time(8, tmp_path) is None  # gone
+    assert start_time(os.getpid()) == start_time(os.getpid()) is not None
