@@ -16,7 +16,7 @@ import uvicorn
 
 from sandboxd import protocol as p
 from sandboxd.client import Client
-from sandboxd.console.app import Console, build_app
+from sandboxd.console.app import SHUTDOWN_GRACE_S, Console, build_app
 from tests.sinks import free_port
 
 
@@ -36,7 +36,8 @@ def chrome() -> Any:
 def serve_console(app: Console) -> Iterator[str]:
     """The console served by uvicorn on a free loopback port, in a thread; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(app), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(app), host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 15

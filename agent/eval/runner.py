@@ -25,7 +25,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +119,13 @@ def agentdojo_pairs(name: str) -> list[Pair]:
 SUITES = ("builtin", *dojo_pairs.SUITES)
 
 
-def suite_pairs(suite: str, web: Web) -> list[Pair]:
-    return builtin_pairs(web) if suite == "builtin" else agentdojo_pairs(suite)
+def suite_pairs(suite: str, web: Web | None) -> list[Pair]:
+    """A suite's pairs; the built-in suite's need the world's web server."""
+    if suite == "builtin":
+        if web is None:
+            raise ValueError("the built-in pairs name the world's web server: start it first")
+        return builtin_pairs(web)
+    return agentdojo_pairs(suite)
 
 
 def world_config(path: Path, mail: MailSink, web: Web, release: str, suite: str, flow: bool = False) -> Path:
@@ -292,14 +297,19 @@ def evaluate(suite: str, names: Sequence[str], release: str = "immediate", limit
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(methods())}")
     done = _journaled(journal, suite, release)
     per_method: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    with worlds(release, suite, model) as world:
-        pairs = [p for p in suite_pairs(suite, world.web) if not only or p.name in only][:limit]
+    with ExitStack() as stack:
+        # The daemons and the outside world start only once a pair has to run: a run the journal holds whole
+        # is read back at once. The built-in pairs name the world's web server, so they start it first.
+        world = stack.enter_context(worlds(release, suite, model)) if suite == "builtin" else None
+        pairs = [p for p in suite_pairs(suite, world.web if world is not None else None)
+                 if not only or p.name in only][:limit]
         if only and len(pairs) < len(set(only)):
             raise SystemExit(f"no such pairs in {suite}: {sorted(set(only) - {p.name for p in pairs})}")
         started = time.monotonic()
         for i, pair in enumerate(pairs, 1):
             rows = done.get(pair.name)
             if rows is None or any(n not in rows for n in names):
+                world = world or stack.enter_context(worlds(release, suite, model))
                 eta = (time.monotonic() - started) / max(1, i - 1 - len([p for p in pairs[:i - 1]
                                                                           if p.name in done])) * (len(pairs) - i + 1)
                 progress(f"[{suite} {release}] pair {i}/{len(pairs)}: {pair.name}"

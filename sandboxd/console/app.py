@@ -259,10 +259,15 @@ def operator_secret(given: str) -> str | None:
     return secret if _Z85.fullmatch(secret) else None
 
 
+# An open timeline (a stream) never ends on its own: a stop waits this long for it, then closes it.
+SHUTDOWN_GRACE_S = 2
+
+
 def serve(console: Console, host: str, port: int) -> None:
     """Run the console until interrupted."""
     import uvicorn
 
     print(f"sandboxd console: http://{host}:{port}/login?token={console.token}", flush=True)
-    config = uvicorn.Config(build_app(console), host=host, port=port, log_level="warning")
+    config = uvicorn.Config(build_app(console), host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     asyncio.run(uvicorn.Server(config).serve())

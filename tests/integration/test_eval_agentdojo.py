@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from agent.eval import runner
 from agent.eval.runner import evaluate, markdown, plots
 
 pytest.importorskip("agentdojo")
@@ -130,15 +131,22 @@ def test_a_replays_new_call_reads_what_the_live_run_would_have_read(policy: str)
         assert (b7["orphaned"], b7["world_match"], b7["security_after"], b7["utility_match"]) == (0, 1, 0, 1)
 
 
-def test_a_rerun_resumes_from_the_journal(banking: dict[str, dict[str, Any]], journal: Path) -> None:
+def test_a_rerun_resumes_from_the_journal(banking: dict[str, dict[str, Any]], journal: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fixture's run found the journal empty: its world started with its first pair.
+    def no_world(*_args: object) -> None:
+        raise AssertionError("a run the journal holds whole started its daemons")
+
     lines: list[str] = []
-    again = evaluate("banking", METHODS, "immediate", limit=2, progress=lines.append, journal=journal)
-    assert not [line for line in lines if " pair " in line], lines  # nothing ran again
-    assert again == banking["immediate"]
-    # A line cut by an interruption is run again, not misread.
-    with open(journal, "a") as fh:
-        fh.write('{"suite": "banking", "release": "imm')
-    assert evaluate("banking", METHODS, "immediate", limit=2, progress=lines.append, journal=journal) == again
+    with monkeypatch.context() as patched:
+        patched.setattr(runner, "worlds", no_world)
+        again = evaluate("banking", METHODS, "immediate", limit=2, progress=lines.append, journal=journal)
+        assert not [line for line in lines if " pair " in line], lines  # nothing ran again
+        assert again == banking["immediate"]
+        # A line cut by an interruption is not misread.
+        with open(journal, "a") as fh:
+            fh.write('{"suite": "banking", "release": "imm')
+        assert evaluate("banking", METHODS, "immediate", limit=2, progress=lines.append, journal=journal) == again
 
 
 def test_plots_are_written(banking: dict[str, dict[str, Any]], tmp_path: Path) -> None:
