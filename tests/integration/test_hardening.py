@@ -398,8 +398,9 @@ def test_a_worn_sandbox_closes_on_a_busy_host_without_the_engines_stop(
         bomb = sh(sbx, session, "b() { b | b & }; b; sleep 30", timeout_s=3)
         assert bomb.exit_code != 0, bomb
     except RemoteError as err:
-        assert err.wire_code == "tool_timeout" or (err.wire_code, err.details.get("limit")) == (
-            "resource_limit", "pids"), err
+        # Or, under gVisor, the host tasks of both bombs reach the host cgroup's ceiling and the sandbox goes
+        # down and is restarted (see test_sandbox's fork bomb): then what is closed is a fresh sandbox.
+        assert err.wire_code in ("tool_timeout", "resource_limit", "sandbox_unavailable"), err
     container = engine.containers.list(filters={"label": f"sandboxd.session={session}"})[0]
     since = time.time() - 1
     with busy_host(os.cpu_count() or 2):

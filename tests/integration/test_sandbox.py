@@ -73,7 +73,7 @@ def test_cannot_write_outside_workspace(client: Client, session: str) -> None:
     assert shell(client, session, "echo ok > /workspace/inside && cat /workspace/inside").strip() == "ok"
 
 
-def test_fork_bomb_hits_the_pids_limit_and_the_sandbox_recovers(client: Client, session: str) -> None:
+def test_fork_bomb_hits_the_pids_limit_and_the_sandbox_recovers(client: Client, session: str, runtime: str) -> None:
     code = (
         "import os, time\nn = 0\ntry:\n    while n < 10000:\n        pid = os.fork()\n"
         "        if pid == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
@@ -83,13 +83,17 @@ def test_fork_bomb_hits_the_pids_limit_and_the_sandbox_recovers(client: Client, 
     assert out[0] == "blocked" and int(out[1]) < 128, out
     # A shell bomb either runs into the timeout or, with every pid taken, leaves its shell unable to
     # fork and fail, or takes the pids before the executor could start the call's stdin thread; which
-    # comes first depends on scheduling. All are contained.
+    # comes first depends on scheduling. All are contained. Under gVisor it may also take the whole
+    # sandbox down: the host tasks the first bomb left (~920) and this one's (~2,400 at its peak) can
+    # reach the host cgroup's ceiling (32 per pid, 4,096), where gVisor's kernel, refused a thread, exits;
+    # the daemon restarts it (one fresh run in five ended so).
     try:
         bomb = client.call(session, "shell", {"command": "b() { b | b & }; b; sleep 30", "timeout_s": 3})
         assert bomb.exit_code != 0, bomb
     except RemoteError as err:
+        went_down = (err.wire_code, err.details.get("restarted")) == ("sandbox_unavailable", True)
         assert err.wire_code == "tool_timeout" or (err.wire_code, err.details.get("limit")) == (
-            "resource_limit", "pids"), err
+            "resource_limit", "pids") or (went_down and runtime == "runsc"), err
     # The executor killed the whole process group: the sandbox has room to fork again.
     assert shell(client, session, "echo alive").strip() == "alive"
 
