@@ -279,10 +279,13 @@ class Sessions:
         try:
             return self.sandbox.request(session_id, payload, timeout, on_output)
         except SandboxUnavailable as exc:
-            oom_killed = self.sandbox.oom_killed(session_id)
+            cause = self.sandbox.stop_cause(session_id)
             restarted = self.sandbox.ensure_running(session_id)
-            raise SandboxUnavailable(f"{exc.message}; sandbox {'restarted' if restarted else 'is gone'}",
-                                     session_id=session_id, restarted=restarted, oom_killed=oom_killed) from exc
+            stopped = f"; the sandbox had stopped (exit code {cause['exit_code']})" if "exit_code" in cause else ""
+            raise SandboxUnavailable(f"{exc.message}{stopped}; sandbox {'restarted' if restarted else 'is gone'}",
+                                     session_id=session_id, restarted=restarted,
+                                     oom_killed=bool(cause.get("oom_killed")), exit_code=cause.get("exit_code"),
+                                     ) from exc
 
     def quiesce(self, session_id: str) -> None:
         """No process of the sandbox may write into a layer while it is frozen or replaced."""

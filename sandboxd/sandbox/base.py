@@ -53,8 +53,9 @@ class Sandbox(Protocol):
         on anything and the file holds at most `at_most` bytes (a directory, entries); else None."""
         ...
 
-    def oom_killed(self, session_id: str) -> bool:
-        """Whether the whole sandbox was stopped for running out of memory."""
+    def stop_cause(self, session_id: str) -> dict[str, Any]:
+        """Why the sandbox stopped, asked once its channel broke: `oom_killed` (the whole sandbox was stopped
+        for running out of memory) and `exit_code`; empty while it runs or where nothing is known."""
         ...
 
     def sessions(self) -> list[str]:

@@ -159,17 +159,22 @@ class ContainerManager:
             ulimits.append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
         return ulimits
 
-    def oom_killed(self, session_id: str) -> bool:
-        """Whether the session's container was stopped by the OOM killer (a whole gVisor sandbox is)."""
+    def stop_cause(self, session_id: str) -> dict[str, Any]:
+        """Whether the session's container was stopped by the OOM killer (a whole gVisor sandbox is; under runc
+        the OOM killer takes the tool, its oom_score_adj 1000, which the executor reports), and its exit code."""
         container = self.container(session_id)
-        if container is None or self.runtime != "runsc":
-            # Under runc the OOM killer takes the tool (its oom_score_adj is 1000), which the executor reports.
-            return bool(container is not None and container.attrs.get("State", {}).get("OOMKilled"))
-        deadline = time.monotonic() + 10.0  # only on a broken channel; a loaded engine takes its time
+        if container is None:
+            return {}
+        # Only on a broken channel; the engine marks the container exited a moment after its sandbox died, and a
+        # loaded engine takes its time (gVisor's more). A channel that timed out has a container still running.
+        deadline = time.monotonic() + (10.0 if self.runtime == "runsc" else 2.0)
         while container.status == "running" and time.monotonic() < deadline:
-            time.sleep(0.05)  # the engine marks the container exited a moment after its sandbox died
+            time.sleep(0.05)
             container.reload()
-        return bool(container.attrs.get("State", {}).get("OOMKilled"))
+        if container.status == "running":
+            return {}
+        state = container.attrs.get("State", {})
+        return {"oom_killed": bool(state.get("OOMKilled")), "exit_code": int(state.get("ExitCode") or 0)}
 
     def _wait_ready(self, session_id: str, container: Any) -> None:
         """Wait for the executor's first answer; a container that exits meanwhile fails fast."""

@@ -89,8 +89,8 @@ class LocalSandbox:
         size = reply.get("stdout_size") if payload["op"] == "read_file" else str(reply.get("stdout")).count("\n") + 1
         return reply if "error" not in reply and isinstance(size, int) and size <= at_most else None
 
-    def oom_killed(self, session_id: str) -> bool:
-        return False
+    def stop_cause(self, session_id: str) -> dict[str, Any]:
+        return {}
 
     def sessions(self) -> list[str]:
         with self._lock:

@@ -25,7 +25,7 @@ RUNSC_ARGS = {
 # it cannot make a thread; so the pids limit is enforced inside, as RLIMIT_NPROC, which gVisor counts
 # per sandbox (under runc it would count the uid's processes across every container and the host).
 # The host cgroup stays as a ceiling. Memory is the host cgroup's for both runtimes: under gVisor
-# its OOM kill takes the whole sandbox, which `oom_killed` reports and `ensure_running` restarts.
+# its OOM kill takes the whole sandbox, which `stop_cause` reports and `ensure_running` restarts.
 HOST_TASKS_PER_PID = 32
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -96,6 +99,33 @@ def test_fork_bomb_hits_the_pids_limit_and_the_sandbox_recovers(client: Client, 
             "resource_limit", "pids") or (went_down and runtime == "runsc"), err
     # The executor killed the whole process group: the sandbox has room to fork again.
     assert shell(client, session, "echo alive").strip() == "alive"
+
+
+def test_a_sandbox_killed_mid_call_fails_that_call_says_so_and_comes_back(
+        client: Client, session: str, engine: docker.DockerClient) -> None:
+    # From outside, as the host's OOM killer or an operator would: the sandbox's init process (under runsc,
+    # gVisor's kernel), during a call. The call fails naming the stop; the next finds the sandbox running.
+    shell(client, session, "echo kept > /workspace/kept")
+    container = engine.containers.list(filters={"label": f"sandboxd.session={session}"})[0]
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call(session, "shell", {"command": "sleep 60"})
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(1.0)  # killed before the call reached the executor, it fails the same way
+    os.kill(int(container.attrs["State"]["Pid"]), signal.SIGKILL)
+    caller.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], RemoteError), outcome
+    err = outcome[0]
+    assert err.wire_code == "sandbox_unavailable" and err.details["restarted"] is True, err
+    assert err.details["oom_killed"] is False and err.details["exit_code"] == 137, err
+    assert "exit code 137" in err.message, err
+    assert shell(client, session, "cat /workspace/kept") == "kept\n"
 
 
 def test_memory_hog_is_killed_and_reported(client: Client, session: str) -> None:
