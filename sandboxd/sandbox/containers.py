@@ -213,9 +213,10 @@ class ContainerManager:
         return channel.request(payload, timeout, on_output)
 
     def _restart(self, session_id: str, container: Any) -> None:
-        """Stop a running sandbox at once and start it again (the workspace is a bind mount: it stays)."""
+        """Start a sandbox again, stopped at once first if it runs (the workspace is a bind mount: it stays)."""
         self.channel(session_id).close()
-        self._halt(session_id, container)
+        if container.status == "running":
+            self._halt(session_id, container)
         self._clear_socket(session_id)
         container.start()
         self._wait_ready(session_id, container)
@@ -271,15 +272,10 @@ class ContainerManager:
             container = self.client.containers.get(self.name(session_id))
         except docker.errors.NotFound:
             return False
-        if container.status != "running":
-            self.channel(session_id).close()
-            self._clear_socket(session_id)
-            container.start()
-            self._wait_ready(session_id, container)
-        elif not self._answers(session_id):
-            # Running but deaf: the executor serves one connection at a time and is still busy with a
-            # call whose daemon was killed (it would hold the session until that call's timeout).
-            # A restart kills the call and everything it started; the workspace is a bind mount.
+        # Running but deaf: the executor serves one connection at a time and is still busy with a call whose
+        # daemon was killed (it would hold the session until that call's timeout). A restart kills the call
+        # and everything it started; the workspace is a bind mount.
+        if container.status != "running" or not self._answers(session_id):
             self._restart(session_id, container)
         return True
 
